@@ -1,0 +1,37 @@
+"""What every console entry point shares: one-line errors and clean warnings."""
+
+from __future__ import annotations
+
+import functools
+import os
+import sys
+import warnings
+
+
+def _format_warning(message, category, filename, lineno, line=None) -> str:
+    return f"warning: {message}\n"
+
+
+def entry_point(prog: str):
+    """Wrap ``main(argv) -> int``: user errors become ``prog: error: ...`` and exit 2."""
+
+    def decorate(main):
+        @functools.wraps(main)
+        def wrapper(argv=None) -> int:
+            from ..errors import LyannaError
+
+            os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+            os.environ.setdefault("HF_HUB_OFFLINE", "1")
+            warnings.formatwarning = _format_warning
+            try:
+                return main(sys.argv[1:] if argv is None else argv) or 0
+            except LyannaError as err:
+                print(f"{prog}: error: {err}", file=sys.stderr)
+                return 2
+            except KeyboardInterrupt:
+                print(f"{prog}: interrupted; nothing partial was left behind", file=sys.stderr)
+                return 130
+
+        return wrapper
+
+    return decorate

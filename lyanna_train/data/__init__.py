@@ -1,0 +1,1 @@
+"""Corpora in, documents out: file formats, conversations and chat templates."""

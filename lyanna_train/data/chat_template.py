@@ -1,0 +1,94 @@
+"""Render conversations with the tokenizer's own chat template and find assistant spans.
+
+The spans are derived from the template itself, so any model's template works
+without per-model offsets: for assistant turn *i*, render the conversation up to the
+turn with the generation prompt (``P``) and up to and including it (``Q``); when
+``Q`` extends ``P`` the assistant text is ``Q[len(P):]``, cut just after the first special
+token that follows the content (the end-of-turn token the target must generate;
+whatever the template appends after it, like a newline, is not generated).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..errors import LyannaError
+
+
+class TemplateRenderError(Exception):
+    """The template refused a conversation (e.g. roles that do not alternate)."""
+
+
+@dataclass(frozen=True)
+class RenderedConversation:
+    text: str
+    spans: list[tuple[int, int]]  # [start, end) character spans of assistant tokens
+    unaligned_turns: int = 0  # assistant turns whose span could not be derived
+
+
+class ChatRenderer:
+    """Chat-template rendering with assistant spans for one tokenizer."""
+
+    def __init__(self, tokenizer):
+        if not getattr(tokenizer, "chat_template", None):
+            raise LyannaError(
+                "the tokenizer has no chat template, so assistant turns cannot be found "
+                "(use --count all, or a tokenizer that ships a chat template)"
+            )
+        self.tokenizer = tokenizer
+        specials = {t.content for t in tokenizer.added_tokens_decoder.values() if t.special}
+        specials |= set(tokenizer.all_special_tokens)
+        self._specials = sorted((s for s in specials if s), key=len, reverse=True)
+
+    def render(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
+        try:
+            return self.tokenizer.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=add_generation_prompt
+            )
+        except Exception as err:  # noqa: BLE001 - jinja raises arbitrary template errors
+            raise TemplateRenderError(f"chat template: {str(err).splitlines()[0][:120]}") from None
+
+    def _end_of_turn(self, suffix: str, content: str) -> int:
+        """Length of ``suffix`` up to and including the end-of-turn special token."""
+        start = suffix.find(content) + len(content) if content and content in suffix else 0
+        hits = [(suffix.find(s, start), -len(s)) for s in self._specials]
+        hits = [(pos, neg) for pos, neg in hits if pos >= 0]
+        if not hits:
+            return len(suffix)
+        pos, neg = min(hits)
+        return pos - neg
+
+    def render_with_spans(self, messages: list[dict]) -> RenderedConversation:
+        """Render ``messages`` and locate every assistant turn's tokens as character spans."""
+        text = self.render(messages)
+        spans, unaligned = [], 0
+        for i, message in enumerate(messages):
+            if message["role"] != "assistant":
+                continue
+            upto = self.render(messages[: i + 1])
+            if not text.startswith(upto):  # the template re-renders earlier turns later on
+                unaligned += 1
+                continue
+            before = self.render(messages[:i], add_generation_prompt=True) if i else None
+            content = message["content"]
+            if before is not None and upto.startswith(before):
+                start = len(before)
+            elif content and content in upto:  # e.g. a conversation that opens with the assistant
+                start = upto.rfind(content)
+            else:
+                unaligned += 1
+                continue
+            end = start + self._end_of_turn(upto[start:], message["content"])
+            if end > start:
+                spans.append((start, end))
+        return RenderedConversation(text, spans, unaligned)
+
+    def end_of_turn_tokens(self) -> list[str]:
+        """The special token(s) that close an assistant turn, found by a probe render."""
+        probe = [{"role": "user", "content": "ping"}, {"role": "assistant", "content": "pong"}]
+        rendered = self.render_with_spans(probe)
+        if not rendered.spans:
+            return []
+        start, end = rendered.spans[0]
+        tail = rendered.text[start:end]
+        return [s for s in self._specials if tail.endswith(s)][:1]

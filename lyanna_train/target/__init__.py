@@ -1,0 +1,1 @@
+"""The target model side: loading tokenizers/models (GGUF included) and fingerprints."""
