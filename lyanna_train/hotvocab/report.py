@@ -47,27 +47,34 @@ def plot_coverage(path: Path, train_curve: np.ndarray, heldout_curve: np.ndarray
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import FuncFormatter
 
     vocab = len(train_curve)
-    top = max([s["size"] for s in selections] + [1])
-    limit = min(vocab, max(4 * top, vocab // 5))
-    sizes = np.arange(1, limit + 1)
-    fig, ax = plt.subplots(figsize=(7.5, 4.5), dpi=120)
-    ax.plot(sizes, 100 * train_curve[:limit], color="0.6", lw=1.2, label="train split")
+    sizes = np.arange(1, vocab + 1)
+    fig, ax = plt.subplots(figsize=(7.5, 4.8), dpi=120)
+    ax.plot(sizes, 100 * train_curve, color="0.6", lw=1.2, label="train split")
     if not np.isnan(heldout_curve).all():
-        ax.plot(sizes, 100 * heldout_curve[:limit], color="C0", lw=2, label="held-out split")
-    for s in selections:
+        ax.plot(sizes, 100 * heldout_curve, color="C0", lw=2, label="held-out split")
+    lines = []
+    for k, s in enumerate(selections, start=1):
         y = s["coverage_heldout"] if s["coverage_heldout"] is not None else s["coverage_train"]
-        ax.plot([s["size"]], [100 * y], "o", color="C3")
-        ax.annotate(f"{s['size']} ({100 * s['size'] / vocab:.1f} %): {100 * y:.1f} %", (s["size"], 100 * y),
-                    textcoords="offset points", xytext=(6, -12), fontsize=8)
-    ax.set_xlabel("hot-vocabulary size (tokens)")
+        ax.plot([s["size"]], [100 * y], "o", color="C3", zorder=3)
+        ax.annotate(str(k), (s["size"], 100 * y), textcoords="offset points", xytext=(0, -14), ha="center",
+                    fontsize=8, color="C3")
+        lines.append(f"{k}: {s['size']} tokens ({100 * s['size'] / vocab:.1f} %) -> {100 * y:.1f} %")
+    ax.text(0.98, 0.04, "\n".join(lines), transform=ax.transAxes, ha="right", va="bottom", fontsize=8,
+            family="monospace", bbox=dict(boxstyle="round,pad=0.4", fc="white", ec="0.8"))
+    ax.set_xscale("log")  # the interesting range (a few % of the vocabulary) is at the left
+    ax.set_xlim(1, vocab)
+    ax.set_ylim(0, 101)
+    ax.set_xlabel("hot-vocabulary size (tokens, log scale)")
     ax.set_ylabel("token coverage (%)")
-    ax.set_title(title, fontsize=10)
-    ax.grid(alpha=0.3)
-    ax.legend(loc="lower right")
+    fig.suptitle(title, fontsize=10)
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(loc="upper left")
     secondary = ax.secondary_xaxis("top", functions=(lambda x: 100 * x / vocab, lambda p: p * vocab / 100))
-    secondary.set_xlabel("% of vocabulary")
+    secondary.set_xlabel("% of vocabulary", fontsize=8)
+    secondary.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)

@@ -1,0 +1,70 @@
+"""Shared fixtures: the embedded SmolLM2 tokenizer (loaded once), a second chat template, corpora."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "true")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("WANDB_MODE", "offline")
+
+# A Llama-3-style template (headers, <|im_end|> as end-of-turn, nothing after it), so mask
+# derivation is checked on a template that differs from SmolLM2's ChatML.
+HEADER_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}"
+    "<|im_start|>{{ m['role'] }}<|endoftext|>\n\n{{ m['content'] | trim }}<|im_end|>"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant<|endoftext|>\n\n{% endif %}"
+)
+
+
+@pytest.fixture(scope="session")
+def smollm2_tokenizer():
+    from lyanna_train.target.loading import load_tokenizer
+
+    return load_tokenizer("smollm2")
+
+
+@pytest.fixture(scope="session")
+def header_template_dir(smollm2_tokenizer, tmp_path_factory) -> Path:
+    """The SmolLM2 tokenizer saved with :data:`HEADER_TEMPLATE` as its chat template."""
+    from transformers import AutoTokenizer
+
+    out = tmp_path_factory.mktemp("header-template-tokenizer")
+    smollm2_tokenizer.save_pretrained(out)
+    tok = AutoTokenizer.from_pretrained(out)
+    tok.chat_template = HEADER_TEMPLATE
+    tok.save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="session")
+def sharegpt_records() -> list[dict]:
+    """The first 60 ShareGPT conversations that open with a user turn, plus hand-made edge cases."""
+    from lyanna_train.data.json_stream import iter_json_array
+    from lyanna_train.embedded import EMBEDDED_CORPORA
+
+    records = []
+    for rec in iter_json_array(EMBEDDED_CORPORA["sharegpt"].path()):
+        conv = rec.get("conversations") or []
+        if conv and conv[0]["from"] == "human" and len(records) < 60:
+            records.append(rec)
+        if len(records) >= 60:
+            break
+    records += [
+        {"conversations": [{"from": "system", "value": "Be terse."}, {"from": "human", "value": "Ünïcödé 🚀 ok?"},
+                           {"from": "gpt", "value": "  Yes — ✓ 東京.  "}]},
+        {"messages": [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"},
+                      {"role": "user", "content": "and 3+3?"}, {"role": "assistant", "content": ""}]},
+        {"messages": [{"role": "user", "content": [{"type": "text", "text": "parts "}, {"type": "text", "text": "joined"}]},
+                      {"role": "assistant", "content": "def f(x):\n    return x  # <|im_end|> inside text"}]},
+    ]
+    return records
+
+
+def write_jsonl(path: Path, records) -> Path:
+    path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records), encoding="utf-8")
+    return path
