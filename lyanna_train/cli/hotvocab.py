@@ -98,3 +98,7 @@ def main(argv: list[str]) -> int:
                   num_proc=args.num_proc, overwrite=args.overwrite,
                   progress=not args.no_progress)
     return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -90,9 +90,9 @@ def iter_json_array(path: Path) -> Iterator[Event]:
             try:
                 obj, end = decoder.raw_decode(buf, pos)
             except json.JSONDecodeError as err:
-                # Running out of text looks like an error at the very end of the buffer
-                # (or an unterminated string); anything earlier is a real syntax error.
-                incomplete = err.pos >= len(buf) - 1 or err.msg.startswith("Unterminated string")
+                # Running out of text looks like an error within a literal's length of the
+                # buffer's end (or an unterminated string); anything earlier is a real error.
+                incomplete = err.pos >= len(buf) - 8 or err.msg.startswith("Unterminated string")
                 if incomplete and not eof:
                     fill()
                     continue

@@ -88,6 +88,8 @@ def _report_notes(result: CountResult, say) -> None:
         say(f"skipped {result.notes.n_skipped} records: " + "; ".join(parts))
     if result.no_assistant:
         say(f"note: {result.no_assistant} conversations have no assistant tokens (nothing counted from them)")
+    if result.documents["heldout"] == 0 and result.documents["train"]:
+        say("warning: the held-out split is empty (corpus too small for --heldout); held-out coverage is not measured")
     if result.unaligned_turns:
         say(f"warning: {result.unaligned_turns} assistant turns could not be located in the template's rendering")
 

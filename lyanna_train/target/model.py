@@ -49,13 +49,22 @@ def _from_pretrained(ref: TargetRef, path: str, dtype: torch.dtype, **kwargs):
         raise LyannaError(f"cannot load target model {ref.spec}: {_first_line(err)}") from None
 
 
+def _dense_gguf() -> dict:
+    """Ask for plain dense weights: a model that keeps GGUF blocks cannot be saved."""
+    try:
+        from transformers import GgufConfig
+    except ImportError:  # older transformers always de-quantise GGUF
+        return {}
+    return {"quantization_config": GgufConfig(dequantize=True)}
+
+
 def model_dir(ref: TargetRef) -> str:
     """A directory (or cached hub id) ``from_pretrained`` reads without converting anything."""
     if ref.gguf_file is None:
         return ref.path
     cached = ref.cache_dir / "model"
     if not (cached / "config.json").exists():
-        model = _from_pretrained(ref, ref.path, torch.float32, gguf_file=ref.gguf_file)
+        model = _from_pretrained(ref, ref.path, torch.float32, gguf_file=ref.gguf_file, **_dense_gguf())
         with atomic_directory(cached, overwrite=True) as tmp:
             model.save_pretrained(tmp, safe_serialization=True)
     return str(cached)

@@ -1,0 +1,111 @@
+"""Run the target once and keep, per token, what the draft head consumes.
+
+EAGLE-3 feeds the draft a low, a middle and a high layer of the target (``aux``) and
+trains it against the target's next-token distribution, which follows from the final
+hidden state (``last``: ``lm_head(last)`` are the logits). Both come from one forward
+pass of the base model: forward hooks grab the chosen layers' outputs as they pass,
+so the other L-3 hidden states are freed as usual instead of being kept as
+``output_hidden_states=True`` would, and the ``lm_head`` (a vocab-sized matmul per
+token, ~20% of a 135M target's forward) is skipped; the trainer applies it to
+``last`` only where it needs logits.
+
+Layer ids mean "output of decoder layer i" (0-based), i.e. Hugging Face
+``hidden_states[i + 1]``. The default is EAGLE-3's choice: SGLang and vLLM capture the
+*input* of layers ``2, L // 2, L - 3``, which are the outputs of ``1, L // 2 - 1, L - 4``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from ..errors import LyannaError
+
+LAYER_CONVENTION = "output of decoder layer i (0-based) = HF hidden_states[i+1]"
+
+
+@dataclass
+class TargetFeatures:
+    """One batch of target features, in the target's dtype, padded positions included."""
+
+    aux: torch.Tensor  # [B, T, k*H]: the chosen layers' outputs, concatenated in the given order
+    last: torch.Tensor  # [B, T, H]: after the final norm, so lm_head(last) == logits
+
+
+def default_layer_ids(num_layers: int) -> tuple[int, int, int]:
+    """EAGLE-3's low/middle/high layers for a target with ``num_layers`` decoder layers."""
+    ids = (1, num_layers // 2 - 1, num_layers - 4)
+    if not ids[0] < ids[1] < ids[2]:
+        raise LyannaError(
+            f"the target has only {num_layers} layers, too few for the default layers {ids}; pass layer ids explicitly"
+        )
+    return ids
+
+
+def check_layer_ids(layer_ids: Sequence[int], num_layers: int) -> tuple[int, ...]:
+    """Validate user-given ids (distinct, each in ``[0, num_layers)``) and return them as a tuple."""
+    ids = tuple(int(i) for i in layer_ids)
+    if not ids:
+        raise LyannaError("at least one target layer id is needed")
+    bad = [i for i in ids if not 0 <= i < num_layers]
+    if bad:
+        raise LyannaError(f"layer ids {bad} are out of range: the target has layers 0..{num_layers - 1}")
+    if len(set(ids)) != len(ids):
+        raise LyannaError(f"layer ids must be distinct, got {list(ids)}")
+    return ids
+
+
+def parse_layer_ids(text: str) -> tuple[int, ...]:
+    """``"1,14,26"`` -> ``(1, 14, 26)`` (range checks need the model: see :func:`check_layer_ids`)."""
+    try:
+        return tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise LyannaError(f"layer ids must be comma-separated integers, got {text!r}") from None
+
+
+def _decoder_layers(model) -> Sequence[torch.nn.Module]:
+    layers = getattr(model.base_model, "layers", None)
+    if layers is None:
+        raise LyannaError(f"{type(model).__name__}: cannot find its decoder layers (expected base_model.layers)")
+    return layers
+
+
+class FeatureExtractor:
+    """Target features for batches of token ids; the "online" mode calls it inside a training step."""
+
+    def __init__(self, model, layer_ids: Sequence[int] | None = None):
+        self.model = model
+        self.layers = _decoder_layers(model)
+        n = len(self.layers)
+        self.layer_ids = check_layer_ids(layer_ids, n) if layer_ids is not None else default_layer_ids(n)
+        self.hidden_size = int(model.config.hidden_size)
+
+    @property
+    def aux_size(self) -> int:
+        return len(self.layer_ids) * self.hidden_size
+
+    def __call__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> TargetFeatures:
+        """Features for ``input_ids`` [B, T].
+
+        Pad on the right and pass no mask: attention is causal, so real tokens never see
+        the padding, and the mask-free path lets SDPA use its fast causal kernel.
+        """
+        captured: dict[int, torch.Tensor] = {}
+
+        def keep(i):
+            def hook(_module, _inputs, output):
+                captured[i] = output[0] if isinstance(output, tuple) else output
+
+            return hook
+
+        handles = [self.layers[i].register_forward_hook(keep(i)) for i in self.layer_ids]
+        try:
+            with torch.inference_mode():
+                out = self.model.base_model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+                aux = torch.cat([captured[i] for i in self.layer_ids], dim=-1)
+        finally:
+            for handle in handles:
+                handle.remove()
+        return TargetFeatures(aux=aux, last=out.last_hidden_state)

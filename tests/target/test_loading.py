@@ -1,0 +1,45 @@
+"""Tokenizer resolution, GGUF caching and fingerprints."""
+
+from __future__ import annotations
+
+import pytest
+
+from lyanna_train.errors import LyannaError
+from lyanna_train.target.fingerprint import tokenizer_fingerprint, vocab_size
+from lyanna_train.target.loading import load_tokenizer, resolve_target
+
+
+def test_embedded_smollm2_tokenizer(smollm2_tokenizer):
+    tok = smollm2_tokenizer
+    assert tok.is_fast and vocab_size(tok) == 49152
+    assert tok.eos_token == "<|im_end|>" and tok.chat_template
+    ref = resolve_target("smollm2")
+    assert ref.gguf_file.endswith(".gguf") and (ref.cache_dir / "tokenizer" / "tokenizer_config.json").exists()
+
+
+def test_fingerprint_is_stable_and_sensitive(smollm2_tokenizer, header_template_dir, tmp_path):
+    from transformers import AutoTokenizer
+
+    fp = tokenizer_fingerprint(smollm2_tokenizer)
+    assert fp == tokenizer_fingerprint(load_tokenizer("smollm2"))
+    # a different chat template does not change the vocabulary, hence not the fingerprint
+    assert fp == tokenizer_fingerprint(AutoTokenizer.from_pretrained(header_template_dir))
+    other = AutoTokenizer.from_pretrained(header_template_dir)
+    other.add_tokens(["<brand-new-token>"])
+    assert tokenizer_fingerprint(other) != fp
+
+
+@pytest.mark.parametrize("spec,message", [
+    ("/no/such/dir", "tokenizer not found"),
+    ("not-an-embedded-name", "tokenizer not found"),
+])
+def test_unresolvable_tokenizers(spec, message):
+    with pytest.raises(LyannaError, match=message):
+        resolve_target(spec)
+
+
+def test_non_gguf_file_is_refused(tmp_path):
+    f = tmp_path / "weights.bin"
+    f.write_bytes(b"\0")
+    with pytest.raises(LyannaError, match="must be a .gguf"):
+        resolve_target(str(f))
