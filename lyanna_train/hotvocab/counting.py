@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..data.chat_template import ChatRenderer, TemplateRenderError
+from ..data.chat_template import ChatRenderer, TemplateRenderError, token_range
 from ..data.conversations import Document, Skip
 from ..data.corpus import Corpus, ReadNotes, iter_documents
 from ..errors import LyannaError
@@ -80,25 +80,6 @@ def is_heldout(index: int, fraction: float, seed: int) -> bool:
     z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
     z ^= z >> 31
     return z / 2.0**64 < fraction
-
-
-def token_range(encoding, start: int, end: int) -> tuple[int, int]:
-    """Tokens whose first character lies in ``[start, end)``, as a slice ``[a, b)``."""
-    s = start
-    a = encoding.char_to_token(s)
-    while a is None and s < end - 1:  # characters a normaliser dropped map to no token
-        s += 1
-        a = encoding.char_to_token(s)
-    e = end - 1
-    b = encoding.char_to_token(e)
-    while b is None and e > s:
-        e -= 1
-        b = encoding.char_to_token(e)
-    if a is None or b is None:
-        return 0, 0
-    if encoding.token_to_chars(a)[0] < start:  # straddles the start: begun before the span
-        a += 1
-    return a, max(a, b + 1)
 
 
 class ShardCounter:

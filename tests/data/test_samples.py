@@ -1,0 +1,105 @@
+"""Samples: loss masks equal the assistant spans exactly, truncation policy, refusals, batching."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoTokenizer
+
+from lyanna_train.data.batching import collate, length_grouped_batches
+from lyanna_train.data.conversations import to_document
+from lyanna_train.data.corpus import Corpus
+from lyanna_train.data.samples import Sample, SampleBuilder, SampleSettings, SampleStats, iter_samples
+from lyanna_train.errors import LyannaError
+
+from ..conftest import write_jsonl
+
+
+@pytest.fixture(params=["chatml", "header"])
+def tokenizer(request, smollm2_tokenizer, header_template_dir):
+    return smollm2_tokenizer if request.param == "chatml" else AutoTokenizer.from_pretrained(header_template_dir)
+
+
+def _segments(mask: torch.Tensor) -> list[tuple[int, int]]:
+    out, start = [], None
+    for t, m in enumerate(mask.tolist() + [False]):
+        if m and start is None:
+            start = t
+        if not m and start is not None:
+            out.append((start, t))
+            start = None
+    return out
+
+
+def test_mask_is_exactly_each_assistant_turn(tokenizer, sharegpt_records):
+    builder = SampleBuilder(tokenizer, SampleSettings(max_length=100_000))
+    for i, rec in enumerate(sharegpt_records):
+        doc = to_document(i, rec)
+        sample = builder.build(doc, SampleStats())
+        assert sample.input_ids.tolist() == tokenizer.apply_chat_template(doc.messages, tokenize=True, return_dict=False)
+        # exact: the masked tokens are those whose offsets start inside a rendered assistant turn
+        full = tokenizer.apply_chat_template(doc.messages, tokenize=False)
+        enc = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
+        expected = torch.zeros(len(enc["input_ids"]), dtype=torch.bool)
+        for k, m in enumerate(doc.messages):
+            if m["role"] == "assistant":
+                start = len(tokenizer.apply_chat_template(doc.messages[:k], tokenize=False, add_generation_prompt=True)) if k else 0
+                upto = tokenizer.apply_chat_template(doc.messages[: k + 1], tokenize=False)
+                end = start + upto[start:].rfind("<|im_end|>") + len("<|im_end|>")
+                for t, (a, _) in enumerate(enc["offset_mapping"]):
+                    expected[t] |= start <= a < end
+        assert torch.equal(sample.loss_mask, expected)
+        # readable: each masked run decodes to one answer and its end-of-turn token; a leading
+        # space may sit in the token that also holds the header's newline, which is not masked
+        answers = [m["content"] for m in doc.messages if m["role"] == "assistant"]
+        if "trim" in tokenizer.chat_template:
+            answers = [a.strip() for a in answers]
+        decoded = [tokenizer.decode(sample.input_ids[a:b]) for a, b in _segments(sample.loss_mask)]
+        assert len(decoded) == len(answers)
+        for d, answer in zip(decoded, answers):
+            body = d.removesuffix("<|im_end|>")
+            assert d.endswith("<|im_end|>") and answer.endswith(body)
+            assert answer[: len(answer) - len(body)] in ("", " ")
+
+
+def test_truncation_keeps_the_head_and_drop_drops(smollm2_tokenizer):
+    doc = to_document(0, {"messages": [{"role": "user", "content": "q " * 50}, {"role": "assistant", "content": "a " * 50}]})
+    stats = SampleStats()
+    full = SampleBuilder(smollm2_tokenizer, SampleSettings(max_length=10_000)).build(doc, stats)
+    cut = SampleBuilder(smollm2_tokenizer, SampleSettings(max_length=len(full) - 7)).build(doc, stats)
+    assert torch.equal(cut.input_ids, full.input_ids[: len(full) - 7]) and stats.truncated == 1
+    assert SampleBuilder(smollm2_tokenizer, SampleSettings(max_length=len(full) - 7, overflow="drop")).build(doc, stats) is None
+    assert SampleBuilder(smollm2_tokenizer, SampleSettings(max_length=20)).build(doc, stats) is None  # no answer left
+    assert any("dropped" in r for r in stats.skipped) and any("within max_length" in r for r in stats.skipped)
+
+
+def test_no_assistant_anywhere_is_an_error_and_partial_is_counted(tmp_path, smollm2_tokenizer):
+    users = write_jsonl(tmp_path / "u.jsonl", [{"messages": [{"role": "user", "content": "q"}]}] * 3)
+    with pytest.raises(LyannaError, match="no training sample"):
+        list(iter_samples(Corpus.resolve([str(users)]), smollm2_tokenizer))
+    mixed = write_jsonl(tmp_path / "m.jsonl", [{"messages": [{"role": "user", "content": "q"}]},
+                                               {"messages": [{"role": "user", "content": "q"},
+                                                             {"role": "assistant", "content": "a"}]}])
+    stats = SampleStats()
+    assert len(list(iter_samples(Corpus.resolve([str(mixed)]), smollm2_tokenizer, stats=stats))) == 1
+    assert stats.skipped == {"no assistant tokens in the rendered conversation": 1}
+
+
+def test_evaluation_set_is_refused_as_training_data(smollm2_tokenizer):
+    with pytest.raises(LyannaError, match="MT-Bench evaluation set"):
+        next(iter_samples(Corpus.resolve(["mtbench"]), smollm2_tokenizer))
+
+
+def test_length_grouped_batches_are_seeded_bounded_and_complete():
+    samples = [Sample(i, torch.arange(n), torch.ones(n, dtype=torch.bool)) for i, n in
+               enumerate([5, 50, 7, 300, 12, 49, 51, 8, 100, 6] * 5)]
+    a = [[s.index for s in b] for b in length_grouped_batches(samples, max_tokens=320, seed=3, buffer_size=16)]
+    b = [[s.index for s in b] for b in length_grouped_batches(samples, max_tokens=320, seed=3, buffer_size=16)]
+    c = [[s.index for s in b] for b in length_grouped_batches(samples, max_tokens=320, seed=4, buffer_size=16)]
+    assert a == b and a != c
+    assert sorted(i for batch in a for i in batch) == list(range(50))
+    for batch in length_grouped_batches(samples, max_tokens=320, seed=3, buffer_size=16):
+        assert len(batch) == 1 or len(batch) * max(map(len, batch)) <= 320
+    padded = collate(samples[:3], pad_id=0)
+    assert padded["input_ids"].shape == (3, 50)
+    assert padded["attention_mask"].sum().item() == 5 + 50 + 7 and padded["loss_mask"].sum().item() == 62
