@@ -68,3 +68,16 @@ def sharegpt_records() -> list[dict]:
 def write_jsonl(path: Path, records) -> Path:
     path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records), encoding="utf-8")
     return path
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_smollm2_vocab():
+    """A tiny random Llama over the SmolLM2 vocabulary: real tokenizer, instant forward."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=49152, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+                         tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=2)
+    return LlamaForCausalLM(config).eval()
