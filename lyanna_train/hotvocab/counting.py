@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import queue
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -94,6 +95,8 @@ class ShardCounter:
         self.result = CountResult(np.zeros(vocab, np.int64), np.zeros(vocab, np.int64))
         self._batch: list[tuple[str, list | None, str]] = []
         self._chars = 0
+        self._encoder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="encode")
+        self._pending = None  # (future of encodings, batch) being tokenized
 
     def _render(self, doc: Document) -> tuple[str, list | None]:
         if not doc.is_conversation:
@@ -125,14 +128,34 @@ class ShardCounter:
         if len(self._batch) >= self.settings.batch_docs or self._chars >= self.settings.batch_chars:
             self.flush()
 
-    def flush(self) -> tuple[int, int]:
-        """Tokenize and count the pending batch; return (documents, tokens encoded)."""
+    def flush(self) -> None:
+        """Start tokenizing the pending batch and count the previous one meanwhile.
+
+        The Rust tokenizer releases the GIL, so reading, parsing and rendering the next
+        batch (Python) overlaps the encoding of this one (Rust): a two-stage pipeline.
+        """
         if not self._batch:
-            return 0, 0
-        encodings = self.backend.encode_batch([t for t, _, _ in self._batch], add_special_tokens=False)
+            return
+        batch, self._batch, self._chars = self._batch, [], 0
+        future = self._encoder.submit(self.backend.encode_batch, [t for t, _, _ in batch], add_special_tokens=False)
+        self._collect()
+        self._pending = (future, batch)
+
+    def finish(self) -> CountResult:
+        """Flush, wait for the last batch, and return the result."""
+        self.flush()
+        self._collect()
+        self._encoder.shutdown()
+        return self.result
+
+    def _collect(self) -> None:
+        if self._pending is None:
+            return
+        future, batch = self._pending
+        self._pending = None
         picked: dict[str, list[int]] = {s: [] for s in SPLITS}
         encoded = 0
-        for enc, (_, spans, split) in zip(encodings, self._batch):
+        for enc, (_, spans, split) in zip(future.result(), batch):
             ids = enc.ids
             encoded += len(ids)
             if spans is None:
@@ -150,11 +173,8 @@ class ShardCounter:
                 target += np.bincount(ids, minlength=vocab)
                 self.result.tokens[split] += len(ids)
         self.result.tokens_encoded += encoded
-        n = len(self._batch)
-        self._batch, self._chars = [], 0
         if self.on_flush is not None:
-            self.on_flush(n, encoded)
-        return n, encoded
+            self.on_flush(len(batch), encoded)
 
 
 def _maybe_renderer(tokenizer):
@@ -176,9 +196,9 @@ def count_worker(corpus: Corpus, tok_dir: str, vocab: int, settings: CountSettin
     start = time.perf_counter()
     for item in iter_documents(corpus, counter.result.notes, _keep(settings.shard, worker, workers)):
         counter.add(item)
-    counter.flush()
-    counter.result.seconds = time.perf_counter() - start
-    return counter.result
+    result = counter.finish()
+    result.seconds = time.perf_counter() - start
+    return result
 
 
 def _process_main(out, args) -> None:

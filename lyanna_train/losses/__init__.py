@@ -1,0 +1,1 @@
+"""Distillation losses: KL to the target over the hot vocabulary, hidden-state regression."""

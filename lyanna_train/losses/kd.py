@@ -1,0 +1,49 @@
+"""Knowledge-distillation losses for a hot-vocabulary draft.
+
+The target's next-token distribution ``p`` comes from its full-vocabulary logits. The
+draft scores only the hot vocabulary, so tokens outside it are handled explicitly:
+
+* ``mask`` (EAGLE-3's choice): positions whose target top-1 token is not hot are
+  dropped; elsewhere ``p`` is renormalised over the hot ids and ``KL(p_hot ‖ q)``;
+* ``other``: the draft has one extra "other" logit and ``p`` keeps its outside mass in
+  that bucket: ``KL([p_hot, 1 − Σ p_hot] ‖ q)`` on every position.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+OUT_OF_VOCAB_MODES = ("mask", "other")
+
+
+def teacher_targets(target_logits: torch.Tensor, hot_ids: torch.Tensor, mode: str):
+    """target_logits [N, V] -> (teacher log-probs [N, V_hot(+1)], usable [N] bool, top-1 in hot [N] bool)."""
+    logp = torch.log_softmax(target_logits.float(), dim=-1)
+    hot = logp[:, hot_ids]
+    in_hot = torch.zeros(target_logits.shape[-1], dtype=torch.bool, device=hot_ids.device)
+    in_hot[hot_ids] = True
+    top1_hot = in_hot[target_logits.argmax(-1)]
+    if mode == "mask":
+        return torch.log_softmax(hot, dim=-1), top1_hot, top1_hot
+    if mode == "other":
+        hot_mass = torch.logsumexp(hot, dim=-1, keepdim=True)
+        other = torch.log1p(-hot_mass.exp().clamp(max=1 - 1e-6))
+        return torch.cat([hot, other], dim=-1), torch.ones_like(top1_hot), top1_hot
+    raise ValueError(f"unknown out-of-vocabulary mode {mode!r} (expected one of {OUT_OF_VOCAB_MODES})")
+
+
+def kl_to_teacher(draft_logits: torch.Tensor, teacher_logp: torch.Tensor) -> torch.Tensor:
+    """Per-position KL(teacher ‖ draft): draft_logits, teacher_logp [N, K] -> [N]."""
+    q = torch.log_softmax(draft_logits.float(), dim=-1)
+    return (teacher_logp.exp() * (teacher_logp - q)).sum(-1)
+
+
+def hidden_regression(draft_state: torch.Tensor, target_state: torch.Tensor) -> torch.Tensor:
+    """Smooth-L1 between RMS-normalised states [N, H] -> [N]: scale-free, so the target's
+    outlier dimensions (thousands in magnitude) do not dominate the loss."""
+    def rms(x):
+        x = x.float()
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+
+    return F.smooth_l1_loss(rms(draft_state), rms(target_state), reduction="none").mean(-1)

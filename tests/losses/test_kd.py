@@ -1,0 +1,55 @@
+"""KD losses against the plain formula."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from lyanna_train.losses.kd import hidden_regression, kl_to_teacher, teacher_targets
+
+
+def _plain_kl(p: list[float], q_logits: list[float]) -> float:
+    z = sum(math.exp(x) for x in q_logits)
+    q = [math.exp(x) / z for x in q_logits]
+    return sum(pi * math.log(pi / qi) for pi, qi in zip(p, q) if pi > 0)
+
+
+def test_mask_mode_renormalises_over_hot_and_drops_out_of_vocab_top1():
+    target = torch.tensor([[2.0, 1.0, 0.0, -1.0], [0.0, 0.0, 5.0, 0.0]])
+    hot = torch.tensor([1, 0])  # draft id 0 -> target 1, draft id 1 -> target 0
+    teacher, usable, top1_hot = teacher_targets(target, hot, "mask")
+    assert usable.tolist() == [True, False] and top1_hot.tolist() == [True, False]
+    p = [math.exp(1.0) / (math.exp(1.0) + math.exp(2.0)), math.exp(2.0) / (math.exp(1.0) + math.exp(2.0))]
+    torch.testing.assert_close(teacher[0].exp(), torch.tensor(p))
+    draft = torch.tensor([[0.3, -0.2], [0.0, 0.0]])
+    assert math.isclose(kl_to_teacher(draft, teacher)[0].item(), _plain_kl(p, [0.3, -0.2]), rel_tol=1e-5)
+
+
+def test_other_mode_keeps_outside_mass_in_a_bucket():
+    target = torch.tensor([[2.0, 1.0, 0.0, -1.0]])
+    hot = torch.tensor([1, 0])
+    teacher, usable, _ = teacher_targets(target, hot, "other")
+    z = sum(math.exp(x) for x in [2.0, 1.0, 0.0, -1.0])
+    p = [math.exp(1.0) / z, math.exp(2.0) / z, (math.exp(0.0) + math.exp(-1.0)) / z]
+    torch.testing.assert_close(teacher[0].exp(), torch.tensor(p), atol=1e-6, rtol=1e-5)
+    assert usable.all()
+    draft = torch.tensor([[0.1, 0.2, -3.0]])
+    assert math.isclose(kl_to_teacher(draft, teacher)[0].item(), _plain_kl(p, [0.1, 0.2, -3.0]), rel_tol=1e-5)
+
+
+def test_kl_is_zero_when_draft_equals_teacher_and_positive_otherwise():
+    torch.manual_seed(0)
+    logits = torch.randn(6, 9)
+    teacher = torch.log_softmax(logits, -1)
+    assert kl_to_teacher(logits + 3.0, teacher).abs().max() < 1e-5  # shift-invariant
+    assert (kl_to_teacher(torch.randn(6, 9), teacher) > 0).all()
+    with pytest.raises(ValueError, match="unknown"):
+        teacher_targets(logits, torch.arange(3), "bogus")
+
+
+def test_hidden_regression_is_scale_free():
+    x = torch.randn(4, 16)
+    assert hidden_regression(x, 4400 * x).abs().max() < 1e-6
+    assert (hidden_regression(x, torch.randn(4, 16)) > 0).all()

@@ -1,0 +1,114 @@
+"""Draft head, state pool and α-gate: shapes, gradients, switches, and train/serve parity."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lyanna_train.errors import LyannaError
+from lyanna_train.models.alpha_gate import AlphaGate, fuse
+from lyanna_train.models.config import DraftConfig
+from lyanna_train.models.draft_head import DraftHead
+from lyanna_train.models.state_pool import StatePool, retrieve_causal, window_mask
+
+H, V, VD = 32, 100, 24
+
+
+def make_head(**overrides) -> DraftHead:
+    torch.manual_seed(0)
+    base = dict(target_hidden_size=H, vocab_size=V, draft_vocab_size=VD, hidden_size=H, intermediate_size=64,
+                num_attention_heads=4, num_key_value_heads=2, head_dim=8, pool_size=128, pool_threshold=0.85)
+    base.update(overrides)
+    cfg = DraftConfig(**base)
+    return DraftHead(cfg, torch.randperm(V)[:VD], torch.randn(V, H))
+
+
+def test_shapes_and_gradients_reach_every_trainable_part():
+    head = make_head(pool_threshold=-1.0)  # always retrieve, so the gate is exercised
+    aux, ids = torch.randn(2, 12, 3 * H), torch.randint(0, V, (2, 12))
+    outs = head.forward_unrolled(aux, ids, steps=3)
+    assert [o.logits.shape for o in outs] == [(2, 12, VD)] * 3
+    assert all(o.hidden.shape == (2, 12, H) for o in outs)
+    assert float(outs[1].alpha.max()) <= 0.3 and bool(outs[1].hit[:, 1:].all()) and not bool(outs[0].hit[:, 0].any())
+    sum(o.logits.square().mean() for o in outs).backward()
+    for name, p in head.named_parameters():
+        assert p.grad is not None and p.grad.abs().sum() > 0, name
+    assert head.embed_weight.grad is None and "embed_weight" not in head.state_dict()
+
+
+def test_lyanna_parts_switch_off():
+    no_pool = make_head(pool_size=0)
+    assert no_pool.gate is None and not no_pool.cfg.pool_enabled
+    outs = no_pool.forward_unrolled(torch.randn(1, 5, 3 * H), torch.randint(0, V, (1, 5)), steps=2)
+    assert float(outs[1].alpha.abs().sum()) == 0
+    assert make_head(alpha_max=0.0).gate is None
+    full = DraftHead(DraftConfig(target_hidden_size=H, vocab_size=V, draft_vocab_size=V, hidden_size=H, intermediate_size=64,
+                                 num_attention_heads=4, num_key_value_heads=2, head_dim=8), torch.arange(V), torch.randn(V, H))
+    assert full.lm_head.weight.shape == (V, H) and torch.equal(full.hot_ids, torch.arange(V))
+    assert make_head(other_bucket=True).lm_head.weight.shape == (VD + 1, H)
+    with pytest.raises(LyannaError, match="minimum of 128"):
+        make_head(pool_size=64)
+
+
+def test_alpha_gate_bounds_and_fusion_formula():
+    gate = AlphaGate(H, 16, alpha_max=0.3)
+    cur, ret = torch.randn(50, H) * 100, torch.randn(50, H)
+    alpha = gate(cur, ret, torch.rand(50))
+    assert alpha.shape == (50,) and bool(((alpha >= 0) & (alpha <= 0.3)).all())
+    torch.testing.assert_close(fuse(cur, ret, alpha), alpha[:, None] * ret + (1 - alpha[:, None]) * cur)
+
+
+def test_causal_window_retrieval_matches_brute_force():
+    torch.manual_seed(1)
+    states = torch.randn(2, 300, H)
+    queries = torch.randn(2, 300, H)
+    sim, got = retrieve_causal(queries, states, window=128)
+    for b in range(2):
+        for t in (0, 1, 5, 127, 128, 200, 299):
+            lo = max(0, t - 128)
+            if t == 0:
+                assert sim[b, t] == float("-inf")
+                continue
+            cos = torch.nn.functional.cosine_similarity(queries[b, t][None], states[b, lo:t], dim=-1)
+            assert torch.isclose(sim[b, t], cos.max(), atol=1e-5)
+            torch.testing.assert_close(got[b, t], states[b, lo + int(cos.argmax())])
+    assert window_mask(4, 2).tolist() == [[False] * 4, [True, False, False, False],
+                                          [True, True, False, False], [False, True, True, False]]
+
+
+@pytest.mark.parametrize("pool", ["on", "off"])
+def test_training_forward_equals_step_by_step_serving(pool):
+    """Chain drafting with a KV cache and a ring-buffer pool gives the training logits,
+    for every unroll step (training-time test included) and across the pool window."""
+    head = make_head(pool_threshold=0.0 if pool == "on" else 0.85, pool_size=128 if pool == "on" else 0).eval()
+    torch.manual_seed(2)
+    b, t, steps = 2, 140, 3
+    aux, ids = torch.randn(b, t, 3 * H), torch.randint(0, V, (b, t))
+    with torch.no_grad():
+        train = head.forward_unrolled(aux, ids, steps)
+        pool_buf = StatePool(b, 128, H)
+        cache_k = cache_v = None
+        for anchor in range(t - steps - 1):
+            pos = torch.full((b, 1), anchor)
+            current, k, v = head.forward_cached(head.fc(aux[:, anchor:anchor + 1]), ids[:, anchor + 1:anchor + 2], pos,
+                                                cache_k, cache_v, torch.ones(b, 1, 1, anchor + 1, dtype=torch.bool))
+            cache_k = k if cache_k is None else torch.cat([cache_k, k], 2)
+            cache_v = v if cache_v is None else torch.cat([cache_v, v], 2)
+            chain_k, chain_v = cache_k, cache_v
+            state = current
+            for j in range(steps):
+                if j:
+                    current, k, v = head.forward_cached(state, ids[:, anchor + 1 + j:anchor + 2 + j], pos + j,
+                                                        chain_k, chain_v,
+                                                        torch.ones(b, 1, 1, chain_k.shape[2] + 1, dtype=torch.bool))
+                    chain_k, chain_v = torch.cat([chain_k, k], 2), torch.cat([chain_v, v], 2)
+                if head.gate is not None:
+                    sim, retrieved = pool_buf.retrieve(current, pos)
+                    state, _, _ = head.pool_fuse(current, sim, retrieved)
+                else:
+                    state = current
+                torch.testing.assert_close(head.score(state)[:, 0], train[j].logits[:, anchor], atol=2e-5, rtol=1e-4)
+                if j == 0 and head.gate is not None:
+                    pool_buf.push(current, pos)
+        if head.gate is not None:
+            assert bool(train[0].hit[:, 130:].all())  # the window was full and used
