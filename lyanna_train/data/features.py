@@ -3,15 +3,16 @@
 EAGLE-3 feeds the draft a low, a middle and a high layer of the target (``aux``) and
 trains it against the target's next-token distribution, which follows from the final
 hidden state (``last``: ``lm_head(last)`` are the logits). Both come from one forward
-pass of the base model: forward hooks grab the chosen layers' outputs as they pass,
-so the other L-3 hidden states are freed as usual instead of being kept as
-``output_hidden_states=True`` would, and the ``lm_head`` (a vocab-sized matmul per
-token, ~20% of a 135M target's forward) is skipped; the trainer applies it to
+pass of the base model: forward hooks grab the chosen layers' outputs as they pass, so
+the other hidden states are freed as usual instead of all L+1 being kept as
+``output_hidden_states=True`` does, and the ``lm_head`` (a vocabulary-wide matmul per
+token: ~20% of SmolLM2-135M's forward FLOPs) is skipped; the trainer applies it to
 ``last`` only where it needs logits.
 
 Layer ids mean "output of decoder layer i" (0-based), i.e. Hugging Face
-``hidden_states[i + 1]``. The default is EAGLE-3's choice: SGLang and vLLM capture the
-*input* of layers ``2, L // 2, L - 3``, which are the outputs of ``1, L // 2 - 1, L - 4``.
+``hidden_states[i + 1]``, for ``i < L - 1`` (HF's ``hidden_states[L]`` is ``last``, after
+the final norm). The default is EAGLE-3's choice: SGLang and vLLM capture the *input* of
+layers ``2, L // 2, L - 3``, which are the outputs of ``1, L // 2 - 1, L - 4``.
 """
 
 from __future__ import annotations
@@ -45,13 +46,17 @@ def default_layer_ids(num_layers: int) -> tuple[int, int, int]:
 
 
 def check_layer_ids(layer_ids: Sequence[int], num_layers: int) -> tuple[int, ...]:
-    """Validate user-given ids (distinct, each in ``[0, num_layers)``) and return them as a tuple."""
+    """Validate user-given ids (distinct, each in ``[0, num_layers - 1)``) and return them as a tuple.
+
+    The last layer is excluded: HF reports its output after the final norm, which is ``last``.
+    """
     ids = tuple(int(i) for i in layer_ids)
     if not ids:
         raise LyannaError("at least one target layer id is needed")
-    bad = [i for i in ids if not 0 <= i < num_layers]
+    bad = [i for i in ids if not 0 <= i < num_layers - 1]
     if bad:
-        raise LyannaError(f"layer ids {bad} are out of range: the target has layers 0..{num_layers - 1}")
+        raise LyannaError(f"layer ids {bad} are out of range: use 0..{num_layers - 2} "
+                          f"(the last layer's output, after the final norm, is already the 'last' feature)")
     if len(set(ids)) != len(ids):
         raise LyannaError(f"layer ids must be distinct, got {list(ids)}")
     return ids

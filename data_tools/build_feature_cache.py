@@ -1,0 +1,86 @@
+"""Run the target over the training samples once and cache its features for training.
+
+    python data_tools/build_feature_cache.py --corpus sharegpt --target smollm2 \
+        --out checkpoints/features-smollm2-sharegpt [--max-samples 2000]
+    # across processes or machines (same --out, or directories copied together afterwards):
+    python data_tools/build_feature_cache.py ... --shard 0/4   (then 1/4, 2/4, 3/4)
+
+Resumable: re-running the same command skips finished shards (checksums verified) and
+redoes partial or corrupted ones. The cache is complete when every --shard I/N has run.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from lyanna_train.cli.common import entry_point
+from lyanna_train.cli.hotvocab import _shard  # the same I/N parser as lyanna-hotvocab's --shard
+from lyanna_train.errors import LyannaError
+
+
+class CorpusSamples:
+    """The corpus as training samples, re-read on every iteration (the builder reads it twice)."""
+
+    def __init__(self, corpus, tokenizer, settings):
+        self.corpus, self.tokenizer, self.settings = corpus, tokenizer, settings
+
+    def __iter__(self):
+        from lyanna_train.data.samples import iter_samples
+
+        return iter_samples(self.corpus, self.tokenizer, self.settings)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from lyanna_train.data.feature_cache_writer import CacheSettings
+
+    d = CacheSettings()
+    ap = argparse.ArgumentParser(prog="build_feature_cache", description=__doc__.splitlines()[0])
+    ap.add_argument("--corpus", nargs="+", default=["sharegpt"], help="corpus files, directories or embedded names")
+    ap.add_argument("--target", default="smollm2", help="target directory, GGUF file or embedded name (smollm2)")
+    ap.add_argument("--out", required=True, type=Path, help="cache directory (created, or resumed)")
+    ap.add_argument("--shard", type=_shard, default=(0, 1), metavar="I/N", help="compute shards k with k %% N == I")
+    ap.add_argument("--layers", help="comma-separated decoder layers whose outputs form aux "
+                    "(default: EAGLE-3's 1, L/2-1, L-4)")
+    ap.add_argument("--max-samples", type=int, help="cache only the first N samples of the corpus")
+    ap.add_argument("--max-length", type=int, default=d.max_length, help="tokens per sample (longer ones are cut)")
+    ap.add_argument("--batch-tokens", type=int, default=d.batch_tokens, help="padded tokens per target forward")
+    ap.add_argument("--shard-tokens", type=int, default=d.shard_tokens, help="tokens per shard file")
+    ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+                    help="the target's compute dtype (features are stored in bfloat16 either way)")
+    ap.add_argument("--overwrite", action="store_true", help="delete --out first (never with concurrent --shard runs)")
+    ap.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return ap
+
+
+@entry_point("build_feature_cache")
+def main(argv: list[str]) -> int:
+    args = build_parser().parse_args(argv)
+    import torch
+
+    from lyanna_train.data.corpus import Corpus
+    from lyanna_train.data.feature_cache_writer import CacheSettings, build_feature_cache
+    from lyanna_train.data.features import parse_layer_ids
+    from lyanna_train.data.samples import SampleSettings, refuse_evaluation_sets
+    from lyanna_train.target.loading import load_tokenizer
+    from lyanna_train.target.model import load_target_model
+
+    if args.max_samples is not None and args.max_samples < 1:
+        raise LyannaError("--max-samples must be at least 1")
+    settings = CacheSettings(max_length=args.max_length, shard_tokens=args.shard_tokens,
+                             batch_tokens=args.batch_tokens)
+    corpus = Corpus.resolve(args.corpus)
+    refuse_evaluation_sets(corpus)
+    tokenizer = load_tokenizer(args.target)
+    model = load_target_model(args.target, dtype=getattr(torch, args.dtype))
+    samples = CorpusSamples(corpus, tokenizer, SampleSettings(max_length=args.max_length))
+    source = {"corpus": list(args.corpus), "sources": corpus.describe(), "max_samples": args.max_samples,
+              "target": args.target}
+    build_feature_cache(samples, model, tokenizer, args.out, layer_ids=parse_layer_ids(args.layers) if args.layers else None,
+                        settings=settings, shard=args.shard, max_samples=args.max_samples, source=source,
+                        overwrite=args.overwrite, progress=not args.no_progress)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,219 @@
+"""The on-disk feature cache: its layout, its checks, and a streaming reader for training.
+
+Layout of a cache directory (written by :mod:`.feature_cache_writer`)::
+
+    manifest.json                      settings, fingerprints and the shard plan
+    shards/shard-00007.safetensors     bf16 aux [N, k*H] and last [N, H], input_ids [N] int32,
+                                       loss_mask [N] bool, offsets [n+1], sample_index [n]
+    shards/shard-00007.json            index entry: sha256 and size of the file above
+
+Samples are packed back to back in a shard: sample j is rows ``offsets[j]:offsets[j+1]``.
+A cache is complete when every shard the manifest plans has an index entry made from
+the same inputs; the reader refuses an incomplete cache, one made with another target,
+tokenizer or layer choice, and any shard whose bytes do not match its checksum.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Iterator, Sequence
+
+import torch
+
+from ..errors import LyannaError
+
+FORMAT = "lyanna-feature-cache"
+VERSION = 1
+SHARDS = "shards"
+DTYPE = torch.bfloat16  # features on disk: half the bytes of fp32, the precision training uses
+
+
+def shard_path(root: Path, shard: int) -> Path:
+    return Path(root) / SHARDS / f"shard-{shard:05d}.safetensors"
+
+
+def entry_path(root: Path, shard: int) -> Path:
+    return Path(root) / SHARDS / f"shard-{shard:05d}.json"
+
+
+def bytes_per_token(aux_size: int, hidden_size: int) -> int:
+    """Disk bytes per token: bf16 aux and last, int32 id, bool mask (offsets are per sample)."""
+    return (aux_size + hidden_size) * DTYPE.itemsize + 4 + 1
+
+
+def file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 24), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def read_entry(root: Path, shard: int) -> dict | None:
+    try:
+        return json.loads(entry_path(root, shard).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def shard_problem(root: Path, planned: dict, verify_checksum: bool = True) -> str | None:
+    """Why shard ``planned["shard"]`` is not complete and valid on disk, or None when it is."""
+    k = planned["shard"]
+    entry = read_entry(root, k)
+    path = shard_path(root, k)
+    if entry is None:
+        return "partial (no index entry)" if path.exists() else "missing"
+    if entry.get("inputs_sha256") != planned["inputs_sha256"]:
+        return "made from other samples"
+    try:
+        size = path.stat().st_size
+    except OSError:
+        return "file missing"
+    if size != entry.get("bytes"):
+        return f"size {size} != {entry.get('bytes')} recorded (truncated?)"
+    if verify_checksum and file_sha256(path) != entry.get("sha256"):
+        return "checksum mismatch (corrupted)"
+    return None
+
+
+def read_manifest(root: Path) -> dict | None:
+    try:
+        manifest = json.loads((Path(root) / "manifest.json").read_text())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as err:
+        raise LyannaError(f"cannot read {root}/manifest.json: {err}") from None
+    if manifest.get("format") != FORMAT:
+        raise LyannaError(f"{root} is not a feature cache (manifest format {manifest.get('format')!r})")
+    if manifest.get("version") != VERSION:
+        raise LyannaError(f"feature cache {root} has format version {manifest.get('version')}, expected {VERSION}")
+    return manifest
+
+
+def _expect(root: Path, what: str, have, want) -> None:
+    if want is not None and have != want:
+        raise LyannaError(f"feature cache {root} was made with {what} {have}, not {want}: "
+                          f"rebuild the cache for this {what}")
+
+
+class FeatureCache:
+    """A complete cache, checked against the fingerprints the caller expects.
+
+    Shard checksums are verified whenever a shard is loaded (its bytes are read anyway);
+    :meth:`verify` checks them all up front.
+    """
+
+    def __init__(self, root: str | Path, target_fingerprint: str | None = None,
+                 tokenizer_fingerprint: str | None = None, layer_ids: Sequence[int] | None = None):
+        self.root = Path(root)
+        manifest = read_manifest(self.root)
+        if manifest is None:
+            raise LyannaError(f"{self.root} is not a feature cache (no manifest.json)")
+        _expect(self.root, "target", manifest["target"]["fingerprint"], target_fingerprint)
+        _expect(self.root, "tokenizer", manifest["tokenizer"], tokenizer_fingerprint)
+        _expect(self.root, "layer ids", manifest["layers"]["ids"], None if layer_ids is None else list(layer_ids))
+        self.manifest = manifest
+        self.entries = [read_entry(self.root, p["shard"]) for p in manifest["shards"]]
+        missing = [p["shard"] for p, e in zip(manifest["shards"], self.entries)
+                   if e is None or e.get("inputs_sha256") != p["inputs_sha256"]]
+        if missing:
+            raise LyannaError(f"feature cache {self.root} is incomplete: {len(missing)} of {len(self.entries)} "
+                              f"shards missing (first: shard {missing[0]}); run the build again (every --shard I/N)")
+
+    @property
+    def layer_ids(self) -> list[int]:
+        return list(self.manifest["layers"]["ids"])
+
+    @property
+    def num_samples(self) -> int:
+        return self.manifest["totals"]["samples"]
+
+    @property
+    def num_tokens(self) -> int:
+        return self.manifest["totals"]["tokens"]
+
+    def __len__(self) -> int:
+        """Number of shards."""
+        return len(self.entries)
+
+    def verify(self) -> None:
+        """Check every shard's size and checksum now (reads the whole cache)."""
+        for planned in self.manifest["shards"]:
+            problem = shard_problem(self.root, planned)
+            if problem is not None:
+                raise LyannaError(f"feature cache {self.root}, shard {planned['shard']}: {problem}; "
+                                  "run the build again to redo it")
+
+    def load_shard(self, k: int) -> dict[str, torch.Tensor]:
+        """All tensors of shard ``k``, after checking its bytes against the index entry."""
+        from safetensors.torch import load
+
+        data = shard_path(self.root, k).read_bytes()
+        if len(data) != self.entries[k]["bytes"] or hashlib.sha256(data).hexdigest() != self.entries[k]["sha256"]:
+            raise LyannaError(f"feature cache {self.root}, shard {k}: checksum mismatch (corrupted); "
+                              "run the build again to redo it")
+        return load(data)
+
+    def iter_samples(self, shards: Sequence[int], generator: torch.Generator | None = None) -> Iterator[dict]:
+        """Per-sample dicts from ``shards`` in order; samples within a shard shuffled if ``generator``."""
+        for k in shards:
+            t = self.load_shard(k)
+            n = len(t["sample_index"])
+            order = torch.randperm(n, generator=generator).tolist() if generator is not None else range(n)
+            for j in order:
+                a, b = int(t["offsets"][j]), int(t["offsets"][j + 1])
+                # clone: a view would keep (and ship to DataLoader workers) the whole shard
+                yield {"index": int(t["sample_index"][j]), "aux": t["aux"][a:b].clone(),
+                       "last": t["last"][a:b].clone(), "input_ids": t["input_ids"][a:b].long(),
+                       "loss_mask": t["loss_mask"][a:b].clone()}
+
+
+class FeatureDataset(torch.utils.data.IterableDataset):
+    """Streams a cache shard by shard: memory holds one shard per DataLoader worker.
+
+    Shards are split over ``world_size`` ranks, then over DataLoader workers; with
+    ``shuffle`` the shard order and the order within each shard change every epoch
+    (:meth:`set_epoch`), reproducibly from ``seed``.
+    """
+
+    def __init__(self, cache: FeatureCache, shuffle: bool = False, seed: int = 0, rank: int = 0, world_size: int = 1):
+        if not 0 <= rank < world_size:
+            raise LyannaError(f"rank {rank} is outside world size {world_size}")
+        self.cache, self.shuffle, self.seed, self.rank, self.world_size = cache, shuffle, seed, rank, world_size
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __iter__(self) -> Iterator[dict]:
+        generator = None
+        order = list(range(len(self.cache)))
+        if self.shuffle:
+            generator = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)
+            order = torch.randperm(len(order), generator=generator).tolist()
+        order = order[self.rank:: self.world_size]
+        worker = torch.utils.data.get_worker_info()
+        if worker is not None:
+            order = order[worker.id:: worker.num_workers]
+        return self.cache.iter_samples(order, generator)
+
+
+def collate_features(items: list[dict]) -> dict[str, torch.Tensor]:
+    """Right-pad per-sample dicts into a batch: aux [B, T, k*H], last [B, T, H], ids/mask [B, T].
+
+    Padding has ``loss_mask`` False, so losses that honour the mask ignore it.
+    """
+    lengths = torch.tensor([len(x["input_ids"]) for x in items])
+    width = int(lengths.max())
+
+    def pad(key: str) -> torch.Tensor:
+        first = items[0][key]
+        out = first.new_zeros((len(items), width, *first.shape[1:]))
+        for row, x in enumerate(items):
+            out[row, : len(x[key])] = x[key]
+        return out
+
+    return {"index": torch.tensor([x["index"] for x in items]), "lengths": lengths,
+            **{key: pad(key) for key in ("aux", "last", "input_ids", "loss_mask")}}

@@ -1,0 +1,252 @@
+"""Feature cache: round trip, resumable and deterministic builds, corruption, fingerprints, --shard I/N."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+
+import pytest
+import torch
+
+from lyanna_train.data.feature_cache import FeatureCache, FeatureDataset, collate_features, shard_path
+from lyanna_train.data.feature_cache_writer import CacheSettings, build_feature_cache
+from lyanna_train.data.features import FeatureExtractor
+from lyanna_train.data.samples import Sample
+from lyanna_train.errors import LyannaError
+from lyanna_train.target.fingerprint import tokenizer_fingerprint
+from lyanna_train.target.model import load_target_model, target_fingerprint
+
+from .test_features import other_target_dir, tiny_target, tiny_target_dir  # noqa: F401 - fixtures
+
+LAYERS = (0, 1, 2)
+SETTINGS = CacheSettings(max_length=40, shard_tokens=150, batch_tokens=96)
+
+
+def _samples(n: int = 36) -> list[Sample]:
+    """Variable lengths (some cut at max_length), some without any loss token (skipped)."""
+    g = torch.Generator().manual_seed(0)
+    out = []
+    for i in range(n):
+        length = int(torch.randint(3, 55, (1,), generator=g))
+        ids = torch.randint(3, 256, (length,), generator=g)
+        mask = torch.zeros(length, dtype=torch.bool)
+        if i % 7 != 3:  # every 7th sample has no assistant token
+            start = int(torch.randint(0, length, (1,), generator=g))
+            mask[start:] = True
+        out.append(Sample(100 + i, ids, mask))
+    return out
+
+
+class Interrupted:
+    """Re-iterable samples whose second reading (the computing pass) stops after ``stop`` samples."""
+
+    def __init__(self, samples, stop: int):
+        self.samples, self.stop, self.reads = samples, stop, 0
+
+    def __iter__(self):
+        self.reads += 1
+        for pos, sample in enumerate(self.samples):
+            if self.reads == 2 and pos == self.stop:
+                raise KeyboardInterrupt
+            yield sample
+
+
+def _build(samples, model, tokenizer, out, **kw):
+    said: list[str] = []
+    kw.setdefault("settings", SETTINGS)
+    result = build_feature_cache(samples, model, tokenizer, out, layer_ids=LAYERS, progress=False,
+                                 say=said.append, **kw)
+    return result, "\n".join(said)
+
+
+def _files(root) -> dict[str, str]:
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted((root / "shards").iterdir()) if not p.name.startswith(".")}
+
+
+@pytest.fixture(scope="module")
+def reference_cache(tmp_path_factory, tiny_target, smollm2_tokenizer):  # noqa: F811
+    out = tmp_path_factory.mktemp("cache") / "ref"
+    result, _ = _build(_samples(), tiny_target, smollm2_tokenizer, out)
+    return out, result
+
+
+def test_round_trip_matches_direct_features(reference_cache, tiny_target, smollm2_tokenizer):  # noqa: F811
+    out, result = reference_cache
+    samples = _samples()
+    kept = [s for s in samples if s.loss_mask[: SETTINGS.max_length].any()]
+    assert result.complete and result.shards_total > 3 and result.shards_written == result.shards_total
+    assert result.tokens_computed == sum(min(len(s), SETTINGS.max_length) for s in kept)
+    cache = FeatureCache(out, target_fingerprint(tiny_target), tokenizer_fingerprint(smollm2_tokenizer), LAYERS)
+    manifest = cache.manifest
+    assert manifest["totals"]["samples"] == len(kept) and manifest["totals"]["skipped_no_loss_tokens"] == len(samples) - len(kept) == 6
+    assert manifest["layers"]["ids"] == list(LAYERS) and manifest["dtype"] == "bfloat16"
+    fx = FeatureExtractor(tiny_target, LAYERS)
+    read = list(FeatureDataset(cache))
+    assert [r["index"] for r in read] == [s.index for s in kept]
+    for r, s in zip(read, kept):
+        ids, mask = s.input_ids[: SETTINGS.max_length], s.loss_mask[: SETTINGS.max_length]
+        assert torch.equal(r["input_ids"], ids) and torch.equal(r["loss_mask"], mask)
+        direct = fx(ids[None])  # alone, unpadded: the cache's batching must not change anything
+        assert r["aux"].dtype == torch.bfloat16 and r["aux"].shape == (len(ids), 3 * 64)
+        torch.testing.assert_close(r["aux"].float(), direct.aux[0], rtol=1.6e-2, atol=1e-2)
+        torch.testing.assert_close(r["last"].float(), direct.last[0], rtol=1.6e-2, atol=1e-2)
+    on_disk = sum((out / "shards" / f).stat().st_size for f in _files(out) if f.endswith(".safetensors"))
+    assert result.bytes_written == on_disk
+    assert on_disk / result.tokens_computed == pytest.approx(manifest["bytes_per_token"], rel=0.2)
+    batch = collate_features(read[:4])
+    width = int(batch["lengths"].max())
+    assert batch["aux"].shape == (4, width, 192) and batch["last"].shape == (4, width, 64)
+    assert int(batch["loss_mask"].sum()) == sum(int(r["loss_mask"].sum()) for r in read[:4])
+
+
+def test_interrupted_build_resumes_to_the_same_bytes(reference_cache, tmp_path, tiny_target, smollm2_tokenizer):  # noqa: F811
+    ref, _ = reference_cache
+    out = tmp_path / "cache"
+    with pytest.raises(KeyboardInterrupt):
+        _build(Interrupted(_samples(), stop=20), tiny_target, smollm2_tokenizer, out)
+    done = [p for p in (out / "shards").glob("*.json")]
+    assert 0 < len(done) < len(_files(ref)) // 2
+    with pytest.raises(LyannaError, match="incomplete"):
+        FeatureCache(out)
+    # a shard file cut short (e.g. the disk filled up) is noticed too
+    victim = shard_path(out, 0)
+    victim.write_bytes(victim.read_bytes()[:1000])
+    result, said = _build(_samples(), tiny_target, smollm2_tokenizer, out)
+    assert "shard 0: size" in said and result.shards_reused == len(done) - 1
+    assert _files(out) == _files(ref)
+    assert json.loads((out / "manifest.json").read_text()) == json.loads((ref / "manifest.json").read_text())
+    again, _ = _build(_samples(), tiny_target, smollm2_tokenizer, out)
+    assert again.shards_written == 0 and again.shards_reused == again.shards_total
+
+
+def test_corrupted_shard_is_refused_then_regenerated(reference_cache, tmp_path, tiny_target, smollm2_tokenizer):  # noqa: F811
+    ref, _ = reference_cache
+    out = tmp_path / "cache"
+    _build(_samples(), tiny_target, smollm2_tokenizer, out)
+    victim = shard_path(out, 2)
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # same size, one flipped byte in the features
+    victim.write_bytes(bytes(data))
+    cache = FeatureCache(out)  # opening checks sizes only ...
+    with pytest.raises(LyannaError, match="shard 2: checksum mismatch"):
+        cache.verify()
+    with pytest.raises(LyannaError, match="shard 2: checksum mismatch"):
+        list(FeatureDataset(cache))  # ... and every shard is checked as it is read
+    result, said = _build(_samples(), tiny_target, smollm2_tokenizer, out)
+    assert "shard 2: checksum mismatch" in said and result.shards_written == 1
+    assert _files(out) == _files(ref)
+    FeatureCache(out).verify()
+
+
+def test_other_target_or_tokenizer_is_refused(reference_cache, tmp_path, other_target_dir, header_template_dir,  # noqa: F811
+                                              tiny_target, smollm2_tokenizer):
+    from transformers import AutoTokenizer
+
+    ref, _ = reference_cache
+    other_model = load_target_model(str(other_target_dir))
+    other_tok = AutoTokenizer.from_pretrained(header_template_dir)
+    other_tok.add_tokens(["<brand-new-token>"])
+    with pytest.raises(LyannaError, match="made with target sha256:") as err:
+        FeatureCache(ref, target_fingerprint=target_fingerprint(other_model))
+    assert "\n" not in str(err.value)
+    with pytest.raises(LyannaError, match="made with tokenizer"):
+        FeatureCache(ref, tokenizer_fingerprint=tokenizer_fingerprint(other_tok))
+    with pytest.raises(LyannaError, match="made with layer ids"):
+        FeatureCache(ref, layer_ids=(1, 2, 0))
+    # nor may a build add shards from another target (or tokenizer) to an existing cache
+    out = tmp_path / "cache"
+    _build(_samples()[:10], other_model, smollm2_tokenizer, out)
+    with pytest.raises(LyannaError, match="other target"):
+        _build(_samples()[:10], tiny_target, smollm2_tokenizer, out)
+    with pytest.raises(LyannaError, match="other tokenizer"):
+        _build(_samples()[:10], other_model, other_tok, out)
+
+
+def test_shard_processes_cover_every_sample_once(reference_cache, tmp_path, tiny_target, smollm2_tokenizer):  # noqa: F811
+    ref, _ = reference_cache
+    out = tmp_path / "cache"
+    results = []
+    for part in range(3):
+        if part:
+            with pytest.raises(LyannaError, match="incomplete"):
+                FeatureCache(out)
+        results.append(_build(_samples(), tiny_target, smollm2_tokenizer, out, shard=(part, 3))[0])
+    assert [r.complete for r in results] == [False, False, True]
+    assert sum(r.shards_written for r in results) == results[0].shards_total
+    assert _files(out) == _files(ref)  # the split changes who computes a shard, not its bytes
+    indexes = [r["index"] for r in FeatureDataset(FeatureCache(out))]
+    kept = [s.index for s in _samples() if s.loss_mask[: SETTINGS.max_length].any()]
+    assert sorted(indexes) == kept
+    # ranks (and DataLoader workers) split the shards: together they read every sample once
+    cache = FeatureCache(out)
+    ranks = [FeatureDataset(cache, shuffle=True, seed=3, rank=r, world_size=2) for r in range(2)]
+    read = [[x["index"] for x in ds] for ds in ranks]
+    assert sorted(read[0] + read[1]) == kept and read[0] != sorted(read[0])
+    for ds in ranks:
+        ds.set_epoch(1)
+    epoch1 = [[x["index"] for x in ds] for ds in ranks]
+    assert sorted(epoch1[0] + epoch1[1]) == kept and epoch1 != read
+
+
+def test_bad_inputs_are_refused(tmp_path, tiny_target, smollm2_tokenizer):  # noqa: F811
+    with pytest.raises(TypeError, match="re-iterable"):
+        _build(iter(_samples()), tiny_target, smollm2_tokenizer, tmp_path / "a")
+    with pytest.raises(LyannaError, match="--shard"):
+        _build(_samples(), tiny_target, smollm2_tokenizer, tmp_path / "b", shard=(3, 3))
+    with pytest.raises(LyannaError, match="no sample has any loss token"):
+        _build([Sample(0, torch.arange(5), torch.zeros(5, dtype=torch.bool))], tiny_target, smollm2_tokenizer,
+               tmp_path / "c")
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "notes.txt").write_text("mine")
+    with pytest.raises(LyannaError, match="not a feature cache"):
+        _build(_samples(), tiny_target, smollm2_tokenizer, tmp_path / "d")
+
+    class Drifting:  # a sample stream that is not the same twice
+        reads = 0
+
+        def __iter__(self):
+            Drifting.reads += 1
+            samples = _samples()
+            samples[0].input_ids[0] = Drifting.reads % 200 + 3
+            return iter(samples)
+
+    with pytest.raises(LyannaError, match="samples changed"):
+        _build(Drifting(), tiny_target, smollm2_tokenizer, tmp_path / "e")
+    with pytest.raises(LyannaError, match="is not a feature cache"):
+        FeatureCache(tmp_path / "d")
+
+
+def test_cli_builds_resumes_and_reports_user_errors(tmp_path, tiny_llama_smollm2_vocab, smollm2_tokenizer,
+                                                    sharegpt_records, capsys):
+    import importlib.util
+    import itertools
+    from pathlib import Path
+
+    from lyanna_train.data.corpus import Corpus
+    from lyanna_train.data.samples import SampleSettings, iter_samples
+
+    from ..conftest import write_jsonl
+
+    script = Path(__file__).resolve().parents[2] / "data_tools" / "build_feature_cache.py"
+    spec = importlib.util.spec_from_file_location("build_feature_cache", script)
+    cli = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cli)
+    target = tmp_path / "target"
+    tiny_llama_smollm2_vocab.save_pretrained(target)
+    smollm2_tokenizer.save_pretrained(target)
+    corpus = write_jsonl(tmp_path / "chats.jsonl", sharegpt_records[:8])
+    args = ["--corpus", str(corpus), "--target", str(target), "--out", str(tmp_path / "cache"), "--layers", "0",
+            "--max-samples", "6", "--max-length", "64", "--shard-tokens", "100", "--no-progress"]
+    assert cli.main(args) == 0
+    cache = FeatureCache(tmp_path / "cache", target_fingerprint(tiny_llama_smollm2_vocab),
+                         tokenizer_fingerprint(smollm2_tokenizer), [0])
+    expected = list(itertools.islice(iter_samples(Corpus.resolve([str(corpus)]), smollm2_tokenizer,
+                                                  SampleSettings(max_length=64)), 6))
+    assert cache.num_samples == len(expected) >= 4 and cache.manifest["source"]["max_samples"] == 6
+    read = list(FeatureDataset(cache))
+    assert [r["index"] for r in read] == [s.index for s in expected]
+    assert all(torch.equal(r["input_ids"], s.input_ids) for r, s in zip(read, expected))
+    assert cli.main(args) == 0 and "nothing to compute" in capsys.readouterr().out
+    assert cli.main(args[:-7] + ["--layers", "1", "--no-progress"]) == 2
+    assert "out of range" in capsys.readouterr().err
