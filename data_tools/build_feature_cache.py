@@ -14,21 +14,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from lyanna_train.cli.common import entry_point
-from lyanna_train.cli.hotvocab import _shard  # the same I/N parser as lyanna-hotvocab's --shard
+from lyanna_train.cli.common import entry_point, parse_shard
 from lyanna_train.errors import LyannaError
-
-
-class CorpusSamples:
-    """The corpus as training samples, re-read on every iteration (the builder reads it twice)."""
-
-    def __init__(self, corpus, tokenizer, settings):
-        self.corpus, self.tokenizer, self.settings = corpus, tokenizer, settings
-
-    def __iter__(self):
-        from lyanna_train.data.samples import iter_samples
-
-        return iter_samples(self.corpus, self.tokenizer, self.settings)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -39,7 +26,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--corpus", nargs="+", default=["sharegpt"], help="corpus files, directories or embedded names")
     ap.add_argument("--target", default="smollm2", help="target directory, GGUF file or embedded name (smollm2)")
     ap.add_argument("--out", required=True, type=Path, help="cache directory (created, or resumed)")
-    ap.add_argument("--shard", type=_shard, default=(0, 1), metavar="I/N", help="compute shards k with k %% N == I")
+    ap.add_argument("--shard", type=parse_shard, default=(0, 1), metavar="I/N", help="compute shards k with k %% N == I")
     ap.add_argument("--layers", help="comma-separated decoder layers whose outputs form aux "
                     "(default: EAGLE-3's 1, L/2-1, L-4)")
     ap.add_argument("--max-samples", type=int, help="cache only the first N samples of the corpus")
@@ -61,7 +48,7 @@ def main(argv: list[str]) -> int:
     from lyanna_train.data.corpus import Corpus
     from lyanna_train.data.feature_cache_writer import CacheSettings, build_feature_cache
     from lyanna_train.data.features import parse_layer_ids
-    from lyanna_train.data.samples import SampleSettings, refuse_evaluation_sets
+    from lyanna_train.data.samples import CorpusSamples, SampleSettings, refuse_evaluation_sets
     from lyanna_train.target.loading import load_tokenizer
     from lyanna_train.target.model import load_target_model
 
@@ -79,6 +66,7 @@ def main(argv: list[str]) -> int:
     build_feature_cache(samples, model, tokenizer, args.out, layer_ids=parse_layer_ids(args.layers) if args.layers else None,
                         settings=settings, shard=args.shard, max_samples=args.max_samples, source=source,
                         overwrite=args.overwrite, progress=not args.no_progress)
+    print(f"samples: {samples.stats.summary()}")
     return 0
 
 

@@ -8,6 +8,17 @@ import sys
 import warnings
 
 
+def parse_shard(text: str) -> tuple[int, int]:
+    """``I/N`` -> (I, N), for every ``--shard`` flag (argparse ``type=``)."""
+    import argparse
+
+    try:
+        i, n = (int(x) for x in text.split("/"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected I/N (e.g. 0/4), got {text!r}") from None
+    return i, n
+
+
 def _format_warning(message, category, filename, lineno, line=None) -> str:
     return f"warning: {message}\n"
 

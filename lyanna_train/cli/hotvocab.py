@@ -11,7 +11,7 @@ import argparse
 import os
 
 from ..errors import LyannaError
-from .common import entry_point
+from .common import entry_point, parse_shard
 
 DEFAULT_RATIOS = "0.05,0.08,0.10"
 
@@ -23,14 +23,6 @@ def _add_selection_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--coverage", help="comma-separated held-out coverage goals: the smallest set reaching each")
     p.add_argument("--out", help="output directory (written atomically)")
     p.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
-
-
-def _shard(text: str) -> tuple[int, int]:
-    try:
-        i, n = (int(x) for x in text.split("/"))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected I/N (e.g. 0/4), got {text!r}") from None
-    return i, n
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -47,9 +39,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="assistant: assistant-turn tokens as the chat template renders them (default); all: every token")
     p.add_argument("--heldout", type=float, default=0.05, help="fraction of documents held out for coverage (default 0.05)")
     p.add_argument("--seed", type=int, default=0, help="seed of the held-out split")
-    p.add_argument("--shard", type=_shard, default=(0, 1), metavar="I/N", help="count only documents with index %% N == I")
-    p.add_argument("--num-proc", type=int, default=min(os.cpu_count() or 1, 8),
-                   help="worker processes (default: one per core)")
+    p.add_argument("--shard", type=parse_shard, default=(0, 1), metavar="I/N", help="count only documents with index %% N == I")
+    p.add_argument("--num-proc", type=int, default=1,
+                   help="worker processes (default 1: one process already tokenizes on every core, overlapped "
+                   "with parsing; more help only when many cores leave that process short of work)")
     p.add_argument("--strict", action="store_true", help="malformed JSON records are an error instead of skipped")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     _add_selection_args(p)

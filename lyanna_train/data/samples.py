@@ -119,6 +119,19 @@ class SampleBuilder:
         return Sample(doc.index, ids, mask)
 
 
+class CorpusSamples:
+    """The corpus as samples, re-read on every iteration (for consumers that plan, then
+    compute); ``stats`` describes the latest complete pass."""
+
+    def __init__(self, corpus: Corpus, tokenizer, settings: SampleSettings = SampleSettings()):
+        self.corpus, self.tokenizer, self.settings = corpus, tokenizer, settings
+        self.stats = SampleStats()
+
+    def __iter__(self) -> Iterator[Sample]:
+        self.stats = SampleStats()
+        return iter_samples(self.corpus, self.tokenizer, self.settings, self.stats)
+
+
 def iter_samples(corpus: Corpus, tokenizer, settings: SampleSettings = SampleSettings(),
                  stats: SampleStats | None = None, notes: ReadNotes | None = None,
                  keep=lambda i: True) -> Iterator[Sample]:
