@@ -103,3 +103,26 @@ def test_length_grouped_batches_are_seeded_bounded_and_complete():
     padded = collate(samples[:3], pad_id=0)
     assert padded["input_ids"].shape == (3, 50)
     assert padded["attention_mask"].sum().item() == 5 + 50 + 7 and padded["loss_mask"].sum().item() == 62
+
+
+def test_bad_records_are_counted_never_lost(tmp_path, smollm2_tokenizer):
+    long_answer = "word " * 400
+    records = [
+        {"messages": [{"role": "user", "content": ""}, {"role": "assistant", "content": ""}]},  # empty strings
+        {"messages": [{"role": "wizard", "content": "x"}, {"role": "assistant", "content": "y"}]},  # unknown role
+        {"messages": [{"role": "user", "content": "only a question"}]},  # no assistant turn
+        {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": long_answer}]},  # over-long
+        {"text": "raw text"},
+    ]
+    corpus = Corpus.resolve([str(write_jsonl(tmp_path / "bad.jsonl", records))])
+    stats = SampleStats()
+    samples = list(iter_samples(corpus, smollm2_tokenizer, SampleSettings(max_length=128), stats))
+    assert [s.index for s in samples] == [0, 3]
+    empty = samples[0]
+    assert smollm2_tokenizer.decode(empty.input_ids[empty.loss_mask]) == "<|im_end|>"  # only the end of turn
+    assert len(samples[1]) == 128 and stats.truncated == 1
+    assert stats.skipped == {"unknown role 'wizard'": 1, "no assistant tokens in the rendered conversation": 1,
+                             "raw text (no assistant turn to learn)": 1}
+    stats = SampleStats()
+    kept = list(iter_samples(corpus, smollm2_tokenizer, SampleSettings(max_length=128, overflow="drop"), stats))
+    assert [s.index for s in kept] == [0] and stats.skipped["longer than max_length 128 (dropped)"] == 1
