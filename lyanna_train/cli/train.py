@@ -1,0 +1,72 @@
+"""``lyanna-train +recipe=NAME [overrides]``: distil a Lyanna draft head (Hydra + DeepSpeed).
+
+Runs as one process or under the DeepSpeed launcher, which appends ``--local_rank=N``:
+that flag is taken out of the arguments (and put in ``LOCAL_RANK``) before Hydra
+parses them. Recipes in ``recipes/`` are registered as the ``recipe`` config group.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+CONF_DIR = Path(os.environ.get("LYANNA_CONF", ROOT / "conf"))
+RECIPES_DIR = Path(os.environ.get("LYANNA_RECIPES", ROOT / "recipes"))
+
+
+def take_local_rank(argv: list[str]) -> list[str]:
+    """Remove ``--local_rank=N`` / ``--local_rank N`` (DeepSpeed launcher) from argv into LOCAL_RANK."""
+    out, i = [], 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg.startswith("--local_rank=") or arg.startswith("--local-rank="):
+            os.environ["LOCAL_RANK"] = arg.split("=", 1)[1]
+        elif arg in ("--local_rank", "--local-rank") and i + 1 < len(argv):
+            os.environ["LOCAL_RANK"] = argv[i + 1]
+            i += 1
+        else:
+            out.append(arg)
+        i += 1
+    return out
+
+
+def register_configs() -> None:
+    """The typed schema and every recipes/*.yaml as the ``recipe`` group (package _global_)."""
+    from hydra.core.config_store import ConfigStore
+    from omegaconf import OmegaConf
+
+    from ..training.config import register
+
+    register()
+    store = ConfigStore.instance()
+    for path in sorted(RECIPES_DIR.glob("*.yaml")):
+        store.store(group="recipe", name=path.stem, node=OmegaConf.load(path), package="_global_")
+
+
+def run(cfg) -> None:
+    from omegaconf import OmegaConf
+
+    from ..errors import LyannaError
+    from ..training.loop import train
+
+    try:
+        train(cfg, OmegaConf.to_container(cfg, resolve=True))
+    except LyannaError as err:
+        print(f"lyanna-train: error: {err}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+def main() -> None:
+    import hydra
+
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    sys.argv = [sys.argv[0], *take_local_rank(sys.argv[1:])]
+    register_configs()
+    hydra.main(config_path=str(CONF_DIR), config_name="config", version_base=None)(run)()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""Distillation on DeepSpeed: config schema, batches, the loss step, checkpoints, tracking, loop."""

@@ -1,0 +1,110 @@
+"""Deterministic batch plans over cached or online features, shared by every rank.
+
+Every rank builds the same plan for an epoch (a list of batches, each a list of sample
+references) from the seed and the epoch number; rank *r* takes batches ``r, r + W, ...``.
+The data position saved in a checkpoint is just (epoch, batches done), so a resumed run
+sees exactly the batches the uninterrupted one would have.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+import torch
+from safetensors import safe_open
+
+from ..data.batching import length_grouped_batches
+from ..data.feature_cache import FeatureCache, shard_path
+
+
+@dataclass(frozen=True)
+class BatchRef:
+    shard: int  # cache shard (-1 for online samples)
+    rows: tuple  # sample positions within the shard (or in the online sample list)
+
+
+class _Sized:
+    """A sample position standing in for a sample: only its length matters to batching."""
+
+    __slots__ = ("position", "length")
+
+    def __init__(self, position: int, length: int):
+        self.position, self.length = position, length
+
+    def __len__(self) -> int:
+        return self.length
+
+
+def group_by_length(lengths: list[int], max_tokens: int, seed: int) -> list[list[int]]:
+    """Positions cut into length-grouped batches (the data stage's batching, whole shard at once)."""
+    items = [_Sized(i, n) for i, n in enumerate(lengths)]
+    return [[x.position for x in batch]
+            for batch in length_grouped_batches(items, max_tokens, seed=seed, buffer_size=max(len(items), 1))]
+
+
+def plan_epoch(shard_lengths: list[list[int]], max_tokens: int, seed: int, epoch: int,
+               world_size: int, multiple: int = 1) -> list[BatchRef]:
+    """The epoch's batches, shard by shard in a seeded order, truncated so that every
+    rank gets the same number, a multiple of ``multiple`` (the gradient accumulation)."""
+    base = seed * 1_000_003 + epoch * 7_919
+    shards = list(range(len(shard_lengths)))
+    random.Random(base).shuffle(shards)
+    plan = [BatchRef(k, tuple(rows))
+            for k in shards for rows in group_by_length(shard_lengths[k], max_tokens, base + 1 + k)]
+    keep = len(plan) // (world_size * multiple) * world_size * multiple
+    return plan[:keep]
+
+
+def cache_lengths(cache: FeatureCache) -> list[list[int]]:
+    """Per shard, the token count of each sample (reads only the small offsets tensors)."""
+    out = []
+    for k in range(len(cache)):
+        with safe_open(str(shard_path(cache.root, k)), "pt") as fh:
+            offsets = fh.get_tensor("offsets")
+        out.append((offsets[1:] - offsets[:-1]).tolist())
+    return out
+
+
+def pad_rows(rows: list[torch.Tensor], width: int) -> torch.Tensor:
+    out = rows[0].new_zeros((len(rows), width, *rows[0].shape[1:]))
+    for i, r in enumerate(rows):
+        out[i, : len(r)] = r
+    return out
+
+
+class CachedBatches:
+    """Materialises :class:`BatchRef` batches from a feature cache, one shard in memory."""
+
+    def __init__(self, cache: FeatureCache):
+        self.cache = cache
+        self._shard, self._tensors = None, None
+
+    def __call__(self, ref: BatchRef) -> dict[str, torch.Tensor]:
+        if ref.shard != self._shard:
+            self._shard, self._tensors = ref.shard, self.cache.load_shard(ref.shard)
+        t = self._tensors
+        spans = [(int(t["offsets"][j]), int(t["offsets"][j + 1])) for j in ref.rows]
+        width = max(b - a for a, b in spans)
+        batch = {key: pad_rows([t[key][a:b] for a, b in spans], width) for key in ("aux", "last", "loss_mask")}
+        batch["input_ids"] = pad_rows([t["input_ids"][a:b].long() for a, b in spans], width)
+        batch["valid"] = pad_rows([torch.ones(b - a, dtype=torch.bool) for a, b in spans], width)
+        return batch
+
+
+class OnlineBatches:
+    """Runs the target inside the step: batches of tokenized samples -> features."""
+
+    def __init__(self, samples: list, extractor, pad_id: int):
+        self.samples, self.extractor, self.pad_id = samples, extractor, pad_id
+
+    def __call__(self, ref: BatchRef) -> dict[str, torch.Tensor]:
+        chosen = [self.samples[i] for i in ref.rows]
+        width = max(len(s) for s in chosen)
+        ids = torch.full((len(chosen), width), self.pad_id, dtype=torch.int64)
+        mask = torch.zeros((len(chosen), width), dtype=torch.bool)
+        valid = torch.zeros((len(chosen), width), dtype=torch.bool)
+        for i, s in enumerate(chosen):
+            ids[i, : len(s)], mask[i, : len(s)], valid[i, : len(s)] = s.input_ids, s.loss_mask, True
+        feats = self.extractor(ids, valid.long())
+        return {"aux": feats.aux, "last": feats.last, "input_ids": ids, "loss_mask": mask, "valid": valid}

@@ -1,0 +1,164 @@
+"""The typed training configuration: one dataclass per Hydra group, checked as a whole.
+
+Every field has a comment saying what it is for; :func:`validate` adds the cross-field
+checks that YAML cannot express. The Hydra tree in ``conf/`` mirrors these classes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+from ..errors import LyannaError
+
+
+@dataclass
+class TargetConf:
+    name: str = "smollm2"  # embedded name, GGUF file or Hugging Face directory of the target
+    dtype: str = "float32"  # compute dtype of the frozen target (bfloat16 on GPU recipes)
+    aux_layers: Optional[list] = None  # decoder layers fused by fc; None = EAGLE-3's (1, L/2-1, L-4)
+
+
+@dataclass
+class DraftConf:
+    hidden_size: Optional[int] = None  # draft width; None = the target's (needed for SGLang/vLLM EAGLE-3)
+    intermediate_size: Optional[int] = None  # None = the target's
+    num_attention_heads: Optional[int] = None  # None = the target's
+    num_key_value_heads: Optional[int] = None  # None = the target's
+    head_dim: Optional[int] = None  # None = the target's
+    pool_size: int = 512  # state-pool size (0 = pool off; 128 minimum; 256 code / 1024 long text)
+    pool_threshold: float = 0.85  # cosine similarity a pooled state needs to be fused
+    alpha_max: float = 0.3  # upper bound of α (0 = gate off)
+    gate_hidden: int = 64  # width of the α-gating network
+
+
+@dataclass
+class HotVocabConf:
+    path: Optional[str] = None  # lyanna-hotvocab output dir or hot-*.safetensors; None = build from data.corpus
+    ratio: float = 0.05  # which selection (fraction of the vocabulary) to use or build
+    size: Optional[int] = None  # exact size instead of ratio
+    full_vocab: bool = False  # ablation: score the whole vocabulary (no hot vocabulary)
+
+
+@dataclass
+class DataConf:
+    corpus: list = field(default_factory=lambda: ["sharegpt"])  # training corpora (never mtbench)
+    max_length: int = 1024  # tokens per sample (longer ones keep their head)
+    max_samples: Optional[int] = None  # use only the first N samples
+    features: str = "cached"  # cached: precompute target features once; online: inside each step
+    cache_dir: Optional[str] = None  # feature cache; None = <train.out_dir>/features
+    batch_tokens: int = 4096  # padded tokens per micro-batch
+    shard_tokens: int = 32768  # tokens per cache shard
+
+
+@dataclass
+class LossConf:
+    ttt_steps: int = 7  # training-time-test unroll depth (EAGLE-3 uses 7)
+    step_weight: float = 0.8  # step j is weighted step_weight**j
+    out_of_vocab: str = "mask"  # mask: drop positions whose target top-1 is not hot; other: an extra bucket
+    hidden_weight: float = 0.0  # weight of the smooth-L1 regression toward the target's next state
+
+
+@dataclass
+class TrainConf:
+    out_dir: str = "checkpoints/lyanna"  # run directory: checkpoints, metrics, hot vocabulary, features
+    epochs: int = 1  # passes over the data (max_steps wins when set)
+    max_steps: Optional[int] = None  # optimizer steps in all
+    lr: float = 3e-4  # peak learning rate
+    min_lr_ratio: float = 0.1  # cosine decay floor, as a fraction of lr
+    warmup_steps: int = 20  # linear warm-up
+    weight_decay: float = 0.0
+    grad_clip: float = 0.5  # max gradient norm (0 = off)
+    grad_accum: int = 1  # micro-batches per optimizer step
+    seed: int = 0  # data order, initialisation
+    log_every: int = 10  # steps between logged metrics (the only host syncs)
+    save_every: int = 200  # steps between checkpoints (0 = only at the end)
+    keep_last: int = 2  # checkpoints kept
+    resume: str = "auto"  # auto: latest complete checkpoint in out_dir; never; or a checkpoint path
+    threads: Optional[int] = None  # torch CPU threads per rank (None = torch's default)
+
+
+@dataclass
+class DeepSpeedConf:
+    zero_stage: int = 0  # ZeRO stage 0/1/2
+    precision: str = "auto"  # auto (bf16 on GPU, fp32 on CPU), fp32 or bf16
+    backend: str = "auto"  # auto (nccl on GPU, gloo on CPU), gloo, nccl
+    betas: list = field(default_factory=lambda: [0.9, 0.95])  # AdamW betas
+    eps: float = 1e-8
+
+
+@dataclass
+class WandbConf:
+    enabled: bool = True  # tracked in W&B (offline automatically when there is no API key)
+    project: str = "lyanna-train"
+    entity: Optional[str] = None  # never a default account
+    mode: str = "auto"  # auto | online | offline
+
+
+@dataclass
+class TrackingConf:
+    wandb: WandbConf = field(default_factory=WandbConf)
+    metrics_jsonl: bool = True  # always-on local log: <out_dir>/metrics.jsonl
+
+
+@dataclass
+class EvalConf:
+    every: int = 200  # steps between τ evaluations (0 = only at the end)
+    prompts: str = "mtbench"  # held-out prompts (first turns)
+    num_prompts: int = 8
+    depth: int = 5  # chain-drafting depth
+    max_new_tokens: int = 64
+
+
+@dataclass
+class Config:
+    run_name: str = "lyanna"
+    target: TargetConf = field(default_factory=TargetConf)
+    draft: DraftConf = field(default_factory=DraftConf)
+    hotvocab: HotVocabConf = field(default_factory=HotVocabConf)
+    data: DataConf = field(default_factory=DataConf)
+    loss: LossConf = field(default_factory=LossConf)
+    train: TrainConf = field(default_factory=TrainConf)
+    deepspeed: DeepSpeedConf = field(default_factory=DeepSpeedConf)
+    tracking: TrackingConf = field(default_factory=TrackingConf)
+    eval: EvalConf = field(default_factory=EvalConf)
+
+
+def validate(cfg) -> None:
+    """Cross-field checks; raises :class:`LyannaError` naming the offending field."""
+    def bad(msg):
+        raise LyannaError(f"config: {msg}")
+
+    if cfg.data.features not in ("cached", "online"):
+        bad(f"data.features must be 'cached' or 'online', not {cfg.data.features!r}")
+    if cfg.loss.out_of_vocab not in ("mask", "other"):
+        bad(f"loss.out_of_vocab must be 'mask' or 'other', not {cfg.loss.out_of_vocab!r}")
+    if cfg.loss.ttt_steps < 1:
+        bad("loss.ttt_steps must be at least 1")
+    if not 0 < cfg.hotvocab.ratio <= 1:
+        bad(f"hotvocab.ratio {cfg.hotvocab.ratio} is outside (0, 1]")
+    if cfg.deepspeed.zero_stage not in (0, 1, 2):
+        bad("deepspeed.zero_stage must be 0, 1 or 2 (the draft is small; stage 3 buys nothing)")
+    if cfg.deepspeed.precision not in ("auto", "fp32", "bf16"):
+        bad(f"deepspeed.precision must be auto, fp32 or bf16, not {cfg.deepspeed.precision!r}")
+    if cfg.train.grad_accum < 1 or cfg.train.log_every < 1:
+        bad("train.grad_accum and train.log_every must be at least 1")
+    if cfg.train.max_steps is not None and cfg.train.max_steps < 1:
+        bad("train.max_steps must be at least 1")
+    if cfg.train.warmup_steps < 0 or not 0 <= cfg.train.min_lr_ratio <= 1:
+        bad("train.warmup_steps must be >= 0 and train.min_lr_ratio in [0, 1]")
+    if cfg.data.batch_tokens < cfg.data.max_length:
+        bad(f"data.batch_tokens ({cfg.data.batch_tokens}) must hold one sample of data.max_length ({cfg.data.max_length})")
+    if "mtbench" in [str(c) for c in cfg.data.corpus]:
+        bad("data.corpus includes mtbench, the evaluation set: it is for measuring, not training")
+    if cfg.tracking.wandb.mode not in ("auto", "online", "offline"):
+        bad(f"tracking.wandb.mode must be auto, online or offline, not {cfg.tracking.wandb.mode!r}")
+    if cfg.eval.depth < 1:
+        bad("eval.depth must be at least 1")
+
+
+def register() -> None:
+    """Register the schema with Hydra so YAML is type-checked against it."""
+    from hydra.core.config_store import ConfigStore
+
+    ConfigStore.instance().store(name="lyanna_schema", node=Config)

@@ -1,0 +1,118 @@
+"""The one module that talks to DeepSpeed.
+
+Its config dict is built from a few typed fields (stage, precision, clipping,
+accumulation) rather than kept as hand-written JSON; the optimizer and the schedule are
+plain torch objects handed to ``deepspeed.initialize``, so the same code runs as one
+process or under the launcher, on CPU (gloo, fp32) or GPU (nccl, bf16).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+
+
+def _on_gpu() -> bool:
+    return torch.cuda.is_available()
+
+
+def init_distributed(backend: str = "auto") -> tuple[int, int]:
+    """Initialise torch.distributed through DeepSpeed (also for one process): (rank, world size)."""
+    import deepspeed
+
+    if backend == "auto":
+        backend = "nccl" if _on_gpu() else "gloo"
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
+    os.environ.setdefault("RANK", "0")
+    os.environ.setdefault("LOCAL_RANK", "0")
+    os.environ.setdefault("WORLD_SIZE", "1")
+    deepspeed.init_distributed(dist_backend=backend, verbose=False)
+    return torch.distributed.get_rank(), torch.distributed.get_world_size()
+
+
+def lr_lambda(warmup: int, total: int, min_ratio: float):
+    """Linear warm-up to 1, then cosine decay to ``min_ratio`` at ``total`` steps."""
+    def f(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = min(1.0, (step - warmup) / max(1, total - warmup))
+        return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return f
+
+
+def deepspeed_config(ds, train) -> dict:
+    precision = ds.precision if ds.precision != "auto" else ("bf16" if _on_gpu() else "fp32")
+    config = {
+        "train_micro_batch_size_per_gpu": 1,  # our micro-batches are token-budgeted; DeepSpeed only counts them
+        "gradient_accumulation_steps": train.grad_accum,
+        "zero_optimization": {"stage": ds.zero_stage},
+        "steps_per_print": 10**9,
+        "wall_clock_breakdown": False,
+    }
+    if train.grad_clip > 0:
+        config["gradient_clipping"] = train.grad_clip
+    if precision == "bf16":
+        config["bf16"] = {"enabled": True}
+    return config
+
+
+class Engine:
+    """A DeepSpeed engine for the draft with its optimizer and schedule."""
+
+    def __init__(self, model: torch.nn.Module, ds, train, total_steps: int):
+        import deepspeed
+
+        params = [p for p in model.parameters() if p.requires_grad]
+        optimizer = torch.optim.AdamW(params, lr=train.lr, betas=tuple(ds.betas), eps=ds.eps,
+                                      weight_decay=train.weight_decay)
+        schedule = torch.optim.lr_scheduler.LambdaLR(
+            optimizer, lr_lambda(train.warmup_steps, total_steps, train.min_lr_ratio))
+        self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
+            model=model, optimizer=optimizer, lr_scheduler=schedule, config=deepspeed_config(ds, train))
+        self.rank = torch.distributed.get_rank()
+        self.world_size = torch.distributed.get_world_size()
+
+    @property
+    def module(self) -> torch.nn.Module:
+        return self.engine.module
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def lr(self) -> float:
+        return self.optimizer.param_groups[0]["lr"]
+
+    def backward_and_step(self, loss: torch.Tensor) -> bool:
+        """Backward one micro-batch; steps the optimizer at accumulation boundaries (returns True then)."""
+        boundary = self.engine.is_gradient_accumulation_boundary()
+        self.engine.backward(loss)
+        self.engine.step()
+        return boundary
+
+    def save(self, root, tag: str, client_state: dict) -> None:
+        self.engine.save_checkpoint(str(root), tag=tag, client_state=client_state, save_latest=False)
+
+    def load(self, root, tag: str) -> dict:
+        _, client_state = self.engine.load_checkpoint(str(root), tag=tag, load_optimizer_states=True,
+                                                      load_lr_scheduler_states=True)
+        return client_state or {}
+
+    def barrier(self) -> None:
+        torch.distributed.barrier()
+
+    def mean(self, values: dict) -> dict:
+        """Average 0-d metric tensors over ranks (one collective for all)."""
+        if not values:
+            return {}
+        keys = sorted(values)
+        stacked = torch.stack([values[k].float().detach() for k in keys])
+        if self.world_size > 1:
+            torch.distributed.all_reduce(stacked)
+            stacked /= self.world_size
+        return dict(zip(keys, stacked.tolist()))

@@ -1,0 +1,159 @@
+"""``train(cfg)``: setup -> train -> save, with the step loop written out."""
+
+from __future__ import annotations
+
+import random
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from . import checkpoint as ckpt
+from .batches import CachedBatches, OnlineBatches, cache_lengths, plan_epoch
+from .config import validate
+from .engine import Engine, init_distributed
+from .setup import build_parts, feature_cache, online_samples, training_samples
+from .step import distill_loss
+from .tracking import Tracker
+
+
+def _rng_state() -> dict:
+    return {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
+
+
+def _set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+
+
+def evaluate(cfg, parts, draft) -> dict:
+    """Mean acceptance length τ of the current head under chain drafting (the runtime's code)."""
+    from ..runtime.eval import mean_acceptance
+
+    draft.eval()
+    try:
+        result = mean_acceptance(parts.target, draft, parts.eval_prompts, depth=cfg.eval.depth,
+                                 max_new_tokens=cfg.eval.max_new_tokens)
+    finally:
+        draft.train()
+    return {f"eval/{k}": v for k, v in result.items() if isinstance(v, (int, float))}
+
+
+def train(cfg, config_dict: dict | None = None) -> dict:
+    validate(cfg)
+    if cfg.train.threads:
+        torch.set_num_threads(cfg.train.threads)
+    rank, world = init_distributed(cfg.deepspeed.backend)
+    out_dir = Path(cfg.train.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    say = print if rank == 0 else (lambda *_: None)
+
+    # ---- setup
+    parts = build_parts(cfg, out_dir, rank == 0)
+    if cfg.data.features == "cached":
+        cache = feature_cache(cfg, training_samples(cfg, parts.tokenizer), parts.target, parts.tokenizer,
+                              parts.layer_ids, out_dir, rank, world)
+        lengths, source = cache_lengths(cache), CachedBatches(cache)
+    else:
+        from ..data.features import FeatureExtractor
+
+        samples = online_samples(cfg, parts.tokenizer)
+        lengths = [[len(s) for s in samples]]
+        source = OnlineBatches(samples, FeatureExtractor(parts.target, parts.layer_ids), parts.tokenizer.pad_token_id or 0)
+    accum = cfg.train.grad_accum
+    per_epoch = len(plan_epoch(lengths, cfg.data.batch_tokens, cfg.train.seed, 0, world, accum)) // world // accum
+    if per_epoch == 0:
+        from ..errors import LyannaError
+
+        raise LyannaError(f"not enough data for one optimizer step on {world} ranks with grad_accum {accum}")
+    total = cfg.train.max_steps or per_epoch * cfg.train.epochs
+    engine = Engine(parts.draft, cfg.deepspeed, cfg.train, total)
+    state = {"step": 0, "epoch": 0, "batch": 0, "tokens": 0, "wandb_id": None}
+    root = out_dir / "checkpoints"
+    resume = ckpt.resolve_resume(cfg.train.resume, root)
+    if resume is not None:
+        client = engine.load(root if resume.parent == root else resume.parent, resume.name)
+        state.update(client["state"])
+        _set_rng_state(client["rng"][rank] if isinstance(client["rng"], list) else client["rng"])
+        say(f"resumed from {resume} at step {state['step']}")
+    tracker = Tracker(cfg.tracking, out_dir, rank == 0, config_dict or {}, state["wandb_id"])
+    state["wandb_id"] = tracker.run_id
+    say(f"training: {total} steps ({per_epoch} per epoch) on {world} rank(s), draft vocabulary {len(parts.hot_ids)}, "
+        f"{sum(p.numel() for p in parts.draft.parameters() if p.requires_grad):,} trainable parameters")
+
+    def save() -> None:
+        tag = ckpt.partial_name(state["step"])
+        rngs = [None] * world
+        torch.distributed.all_gather_object(rngs, _rng_state())
+        engine.save(root, tag, {"state": dict(state), "rng": rngs})
+        if rank == 0:
+            ckpt.write_draft_weights(root / tag, engine.module, {"layer_ids": list(parts.layer_ids),
+                                                                "target": cfg.target.name})
+        engine.barrier()
+        if rank == 0:
+            ckpt.finalize(root / tag, root, state["step"], cfg.train.keep_last)
+        engine.barrier()
+
+    # ---- train
+    bar = None
+    if rank == 0:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=total, initial=state["step"], unit="step", desc="training", dynamic_ncols=True)
+    window: dict = {}
+    last_log, tokens_at_log = time.perf_counter(), state["tokens"]
+    while state["step"] < total:
+        plan = plan_epoch(lengths, cfg.data.batch_tokens, cfg.train.seed, state["epoch"], world, accum)[rank::world]
+        while state["batch"] < len(plan) and state["step"] < total:
+            batch = source(plan[state["batch"]])
+            loss, metrics = distill_loss(engine.module, batch, parts.lm_weight, cfg.loss)
+            stepped = engine.backward_and_step(loss)
+            state["batch"] += 1
+            for k, v in metrics.items():
+                window[k] = window.get(k, 0) + v
+            window["loss/total"] = window.get("loss/total", 0) + loss.detach()
+            window["micro"] = window.get("micro", 0) + 1
+            if not stepped:
+                continue
+            state["step"] += 1
+            if bar is not None:
+                bar.update(1)
+            if state["step"] % cfg.train.log_every == 0 or state["step"] == total:
+                micro = window.pop("micro")
+                tokens = window.pop("tokens")
+                logged = engine.mean({k: v / micro for k, v in window.items()})
+                seen = engine.mean({"t": tokens})["t"] * world
+                state["tokens"] += int(seen)
+                now = time.perf_counter()
+                logged.update({"lr": engine.lr, "tokens_per_s": (state["tokens"] - tokens_at_log) / (now - last_log),
+                               "epoch": state["epoch"], "tokens_seen": state["tokens"]})
+                last_log, tokens_at_log, window = now, state["tokens"], {}
+                tracker.log(state["step"], logged)
+                if bar is not None:
+                    bar.set_postfix(loss=f"{logged['loss/total']:.3f}", acc0=f"{logged.get('acc/step0', 0):.2f}",
+                                    tok_s=f"{logged['tokens_per_s']:.0f}", refresh=False)
+            if cfg.eval.every and state["step"] % cfg.eval.every == 0 and state["step"] < total:
+                if rank == 0:
+                    tracker.log(state["step"], evaluate(cfg, parts, engine.module))
+                engine.barrier()
+            if cfg.train.save_every and state["step"] % cfg.train.save_every == 0 and state["step"] < total:
+                save()
+        if state["batch"] >= len(plan):
+            state["epoch"] += 1
+            state["batch"] = 0
+    if bar is not None:
+        bar.close()
+
+    # ---- save and clean up
+    save()
+    final = {}
+    if rank == 0:
+        final = evaluate(cfg, parts, engine.module) if parts.eval_prompts else {}
+        tracker.log(state["step"], final)
+        say(f"done: step {state['step']}, checkpoint {ckpt.latest_checkpoint(root)}; " +
+            ", ".join(f"{k} {v:.3f}" for k, v in final.items()))
+    engine.barrier()
+    tracker.finish()
+    return {"step": state["step"], "out_dir": str(out_dir), **final}

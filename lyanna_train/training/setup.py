@@ -1,0 +1,130 @@
+"""Everything a run needs before its first step: target, hot vocabulary, data, draft, prompts.
+
+Work that writes shared files (the hot vocabulary, the feature cache) is done by the
+main rank or split across ranks, with barriers, and is skipped when already complete,
+so a resumed or repeated run starts in seconds.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ..data.corpus import Corpus
+from ..data.samples import CorpusSamples, SampleSettings, iter_samples
+from ..errors import LyannaError
+from ..hotvocab.artifact import load_hot_vocab, read_manifest
+from ..models.config import DraftConfig
+from ..models.draft_head import DraftHead
+from ..target.fingerprint import tokenizer_fingerprint, vocab_size
+from ..target.loading import load_tokenizer
+from ..target.model import load_target_model, target_fingerprint
+
+
+@dataclass
+class RunParts:
+    tokenizer: object
+    target: torch.nn.Module
+    hot_ids: torch.Tensor
+    draft: DraftHead
+    lm_weight: torch.Tensor  # the target's output embedding [V, Ht]
+    layer_ids: tuple
+    eval_prompts: list  # token-id lists
+
+
+def _barrier():
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+
+
+def hot_vocabulary(cfg, tokenizer, out_dir: Path, is_main: bool) -> torch.Tensor:
+    """The hot ids (by descending frequency), from cfg.hotvocab.path or built from the corpus."""
+    vocab = vocab_size(tokenizer)
+    if cfg.hotvocab.full_vocab:
+        return torch.arange(vocab)
+    size = cfg.hotvocab.size or int(cfg.hotvocab.ratio * vocab + 0.5)
+    fingerprint = tokenizer_fingerprint(tokenizer)
+    path = Path(cfg.hotvocab.path) if cfg.hotvocab.path else out_dir / "hotvocab"
+    if cfg.hotvocab.path is None and is_main and not (path / "manifest.json").exists():
+        from ..hotvocab.build import build
+        from ..hotvocab.counting import CountSettings
+        from ..hotvocab.selection import SelectionRequest
+
+        build(list(cfg.data.corpus), cfg.target.name, path, [SelectionRequest(size=size)], CountSettings(),
+              overwrite=True, progress=True)
+    _barrier()
+    if path.is_dir():
+        sizes = [s["size"] for s in read_manifest(path)["selections"]]
+        if size not in sizes:
+            raise LyannaError(f"hot vocabulary {path} has no selection of size {size} (available: {sizes}); "
+                              "set hotvocab.size or hotvocab.ratio to one of them")
+    return load_hot_vocab(path, size=size if path.is_dir() else None, expect_fingerprint=fingerprint).hot_ids
+
+
+def feature_cache(cfg, samples: CorpusSamples, target, tokenizer, layer_ids, out_dir: Path, rank: int, world: int):
+    """The run's feature cache: each rank builds its shards, then everyone opens the whole."""
+    from ..data.feature_cache import FeatureCache
+    from ..data.feature_cache_writer import CacheSettings, build_feature_cache
+
+    root = Path(cfg.data.cache_dir) if cfg.data.cache_dir else out_dir / "features"
+    settings = CacheSettings(max_length=cfg.data.max_length, shard_tokens=cfg.data.shard_tokens,
+                             batch_tokens=cfg.data.batch_tokens)
+    build_feature_cache(samples, target, tokenizer, root, layer_ids=layer_ids, settings=settings, shard=(rank, world),
+                        max_samples=cfg.data.max_samples, source={"corpus": list(cfg.data.corpus)},
+                        progress=rank == 0, say=print if rank == 0 else (lambda *_: None))
+    _barrier()
+    return FeatureCache(root, target_fingerprint(target), tokenizer_fingerprint(tokenizer), layer_ids)
+
+
+def eval_prompts(cfg, tokenizer) -> list[list[int]]:
+    """First user turns of the evaluation set, rendered with the generation prompt."""
+    from ..data.conversations import Document
+    from ..data.corpus import ReadNotes, iter_documents
+
+    prompts: list = []
+    if cfg.eval.num_prompts <= 0:
+        return prompts
+    for doc in iter_documents(Corpus.resolve([cfg.eval.prompts]), ReadNotes()):
+        if isinstance(doc, Document) and doc.is_conversation:
+            first = [m for m in doc.messages if m["role"] == "user"][:1]
+            prompts.append(tokenizer.apply_chat_template(first, tokenize=True, add_generation_prompt=True,
+                                                         return_dict=False))
+        if len(prompts) >= cfg.eval.num_prompts:
+            break
+    return prompts
+
+
+def build_parts(cfg, out_dir: Path, is_main: bool) -> RunParts:
+    from ..data.features import check_layer_ids, default_layer_ids
+
+    tokenizer = load_tokenizer(cfg.target.name)
+    target = load_target_model(cfg.target.name, dtype=getattr(torch, cfg.target.dtype))
+    layers = target.config.num_hidden_layers
+    layer_ids = check_layer_ids(cfg.target.aux_layers or default_layer_ids(layers), layers)
+    hot_ids = hot_vocabulary(cfg, tokenizer, out_dir, is_main)
+    d = cfg.draft
+    draft_cfg = DraftConfig.from_target(
+        target.config, len(hot_ids), hidden_size=d.hidden_size, intermediate_size=d.intermediate_size,
+        num_attention_heads=d.num_attention_heads, num_key_value_heads=d.num_key_value_heads, head_dim=d.head_dim,
+        pool_size=d.pool_size, pool_threshold=d.pool_threshold, alpha_max=d.alpha_max, gate_hidden=d.gate_hidden,
+        other_bucket=cfg.loss.out_of_vocab == "other", num_aux_layers=len(layer_ids))
+    torch.manual_seed(cfg.train.seed)
+    draft = DraftHead(draft_cfg, hot_ids, target.get_input_embeddings().weight)
+    lm_weight = target.get_output_embeddings().weight.detach()
+    return RunParts(tokenizer, target, hot_ids, draft, lm_weight, layer_ids, eval_prompts(cfg, tokenizer))
+
+
+def training_samples(cfg, tokenizer) -> CorpusSamples:
+    corpus = Corpus.resolve(list(cfg.data.corpus))
+    return CorpusSamples(corpus, tokenizer, SampleSettings(max_length=cfg.data.max_length))
+
+
+def online_samples(cfg, tokenizer) -> list:
+    samples = []
+    for s in iter_samples(Corpus.resolve(list(cfg.data.corpus)), tokenizer, SampleSettings(max_length=cfg.data.max_length)):
+        samples.append(s)
+        if cfg.data.max_samples and len(samples) >= cfg.data.max_samples:
+            break
+    return samples
