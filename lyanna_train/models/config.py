@@ -23,6 +23,7 @@ class DraftConfig:
     rope_theta: float = 10000.0
     max_position_embeddings: int = 4096
     num_aux_layers: int = 3  # target layers fused by ``fc``
+    aux_layer_ids: tuple = ()  # which ones: "output of decoder layer i" (0-based), recorded for serving
     # Lyanna parts (each can be switched off for ablations)
     pool_size: int = 512  # states kept in the pool (0 = pool off); 128 minimum when on
     pool_threshold: float = 0.85  # cosine similarity needed to use a retrieved state
@@ -39,6 +40,8 @@ class DraftConfig:
             raise LyannaError(f"draft_vocab_size {self.draft_vocab_size} must be in (0, {self.vocab_size}]")
         if self.pool_size and self.pool_size < 128:
             raise LyannaError(f"pool_size {self.pool_size} is below the minimum of 128 (use 0 to turn the pool off)")
+        if self.aux_layer_ids and len(self.aux_layer_ids) != self.num_aux_layers:
+            raise LyannaError(f"aux_layer_ids {tuple(self.aux_layer_ids)} do not match num_aux_layers {self.num_aux_layers}")
         if not 0.0 <= self.alpha_max <= 1.0:
             raise LyannaError(f"alpha_max must be in [0, 1], not {self.alpha_max}")
         if not -1.0 <= self.pool_threshold <= 1.0:

@@ -18,6 +18,14 @@ def _on_gpu() -> bool:
     return torch.cuda.is_available()
 
 
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
 def init_distributed(backend: str = "auto") -> tuple[int, int]:
     """Initialise torch.distributed through DeepSpeed (also for one process): (rank, world size)."""
     import deepspeed
@@ -25,7 +33,8 @@ def init_distributed(backend: str = "auto") -> tuple[int, int]:
     if backend == "auto":
         backend = "nccl" if _on_gpu() else "gloo"
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
+    if "MASTER_PORT" not in os.environ:  # a lone process: any free port (a launcher sets its own)
+        os.environ["MASTER_PORT"] = str(_free_port())
     os.environ.setdefault("RANK", "0")
     os.environ.setdefault("LOCAL_RANK", "0")
     os.environ.setdefault("WORLD_SIZE", "1")

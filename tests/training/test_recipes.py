@@ -1,0 +1,70 @@
+"""Every recipe and the base config compose against the typed schema; bad configs are refused."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+from omegaconf import OmegaConf
+
+from lyanna_train.cli.train import RECIPES_DIR, take_local_rank
+from lyanna_train.errors import LyannaError
+from lyanna_train.training.config import Config, validate
+
+from .conftest import compose
+
+RECIPES = sorted(p.stem for p in RECIPES_DIR.glob("*.yaml"))
+
+
+def test_the_promised_recipes_exist():
+    assert {"llama2_7b", "vicuna_7b", "llama3_8b", "smollm2_135m"} <= set(RECIPES)
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_recipe_composes_and_validates(recipe):
+    cfg = compose([f"+recipe={recipe}"])
+    validate(cfg)
+    assert isinstance(OmegaConf.to_object(cfg), Config)
+    assert cfg.run_name == recipe and cfg.train.out_dir == f"checkpoints/{recipe}"
+    text = (RECIPES_DIR / f"{recipe}.yaml").read_text()
+    header = [line for line in text.splitlines() if line.startswith("#")]
+    assert header and text.startswith("# ")  # purpose first, then the command that runs it
+    assert any("+recipe=" + recipe in line for line in header)
+
+
+def test_design_recipes_carry_the_design_settings():
+    for name in ("llama2_7b", "vicuna_7b"):
+        cfg = compose([f"+recipe={name}"])
+        assert cfg.deepspeed.zero_stage == 2 and cfg.deepspeed.precision == "bf16"
+        assert cfg.hotvocab.ratio == 0.05 and cfg.draft.pool_size == 512
+        assert cfg.draft.alpha_max == 0.3 and cfg.draft.pool_threshold == 0.85
+
+
+@pytest.mark.parametrize("override,message", [
+    ("data.features=sometimes", "data.features"),
+    ("loss.out_of_vocab=drop", "loss.out_of_vocab"),
+    ("hotvocab.ratio=1.5", "outside (0, 1]"),
+    ("data.corpus=[mtbench]", "evaluation set"),
+    ("deepspeed.zero_stage=3", "zero_stage"),
+])
+def test_bad_config_is_named(override, message):
+    with pytest.raises(LyannaError, match=re.escape(message)):
+        validate(compose(["+recipe=smollm2_135m", override]))
+
+
+def test_schema_rejects_unknown_keys_and_wrong_types():
+    from hydra.errors import ConfigCompositionException
+
+    with pytest.raises(ConfigCompositionException):
+        compose(["train.learning_rate=0.1"])
+    with pytest.raises(ConfigCompositionException):
+        compose(["train.epochs=many"])
+
+
+def test_launcher_local_rank_is_taken_out_of_argv(monkeypatch):
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    assert take_local_rank(["--local_rank=1", "+recipe=x", "a=b"]) == ["+recipe=x", "a=b"]
+    import os
+
+    assert os.environ["LOCAL_RANK"] == "1"
+    assert take_local_rank(["--local_rank", "0", "a=b"]) == ["a=b"] and os.environ["LOCAL_RANK"] == "0"

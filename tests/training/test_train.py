@@ -1,0 +1,96 @@
+"""Training end to end on a tiny random target: runs, resumes exactly, 2 ranks, bad inputs."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from lyanna_train.errors import LyannaError
+from lyanna_train.training.loop import train
+
+from .conftest import compose, tiny_overrides
+
+TINY = ("target.aux_layers=[0,1,2]",)
+
+
+def _losses(out) -> dict:
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss/total"] for r in rows if "loss/total" in r}
+
+
+def test_resume_reproduces_the_uninterrupted_losses(tmp_path, tiny_target_dir, tiny_corpus):
+    out = tmp_path / "run"
+    cfg = compose(tiny_overrides(tiny_target_dir, tiny_corpus, out, *TINY, "train.max_steps=6", "train.save_every=3",
+                                 "train.keep_last=5", "eval.num_prompts=0"))
+    train(cfg)
+    full = _losses(out)
+    assert sorted(full) == [1, 2, 3, 4, 5, 6]
+    ckpts = out / "checkpoints"
+    assert sorted(p.name for p in ckpts.iterdir()) == ["step-00000003", "step-00000006"]
+    assert {"model.safetensors", "draft_config.json"} <= {p.name for p in (ckpts / "step-00000006").iterdir()}
+    # interrupt after step 3: the last checkpoint and later metrics are gone, and a save was cut short
+    shutil.rmtree(ckpts / "step-00000006")
+    (ckpts / ".partial-step-00000005").mkdir()
+    (ckpts / ".partial-step-00000005" / "junk").write_text("half-written")
+    lines = (out / "metrics.jsonl").read_text().splitlines()
+    (out / "metrics.jsonl").write_text("\n".join(l for l in lines if json.loads(l)["step"] <= 3) + "\n")
+    train(cfg)
+    resumed = _losses(out)
+    assert sorted(resumed) == [1, 2, 3, 4, 5, 6]
+    for step in (4, 5, 6):
+        assert resumed[step] == pytest.approx(full[step], rel=1e-6, abs=1e-7), step
+    assert not (ckpts / ".partial-step-00000005").exists()
+
+
+def test_two_ranks_under_the_deepspeed_launcher(tmp_path, tiny_target_dir, tiny_corpus):
+    out = tmp_path / "ds"
+    deepspeed = os.path.join(os.path.dirname(sys.executable), "deepspeed")
+    cmd = [deepspeed, "--num_gpus", "2", "--master_port", str(29700 + os.getpid() % 200), "--module",
+           "lyanna_train.cli.train", *tiny_overrides(tiny_target_dir, tiny_corpus, out, *TINY, "train.max_steps=3",
+                                                      "eval.num_prompts=0")]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "on 2 rank(s)" in proc.stdout
+    assert sorted(_losses(out)) == [1, 2, 3]
+    assert (out / "checkpoints" / "step-00000003" / "model.safetensors").exists()
+
+
+def test_missing_target_is_one_line(tmp_path, tiny_corpus):
+    cfg = compose(tiny_overrides(tmp_path / "no-such-model", tiny_corpus, tmp_path / "out", "eval.num_prompts=0"))
+    with pytest.raises(LyannaError, match="no-such-model"):
+        train(cfg)
+
+
+def test_mismatched_hot_vocabulary_is_refused(tmp_path, tiny_target_dir, tiny_corpus):
+    from lyanna_train.hotvocab.selection import HotVocab
+    from lyanna_train.hotvocab.artifact import save_hot_vocab
+
+    save_hot_vocab(tmp_path, HotVocab.from_ids(list(range(100)), 49152), "sha256:" + "1" * 64)
+    cfg = compose(tiny_overrides(tiny_target_dir, tiny_corpus, tmp_path / "out", *TINY,
+                                 f"hotvocab.path={tmp_path / 'hot-100.safetensors'}", "eval.num_prompts=0"))
+    with pytest.raises(LyannaError, match="another tokenizer"):
+        train(cfg)
+
+
+def test_data_without_assistant_turns_is_refused(tmp_path, tiny_target_dir):
+    from ..conftest import write_jsonl
+
+    corpus = write_jsonl(tmp_path / "users.jsonl", [{"messages": [{"role": "user", "content": "hi"}]}] * 4)
+    cfg = compose(tiny_overrides(tiny_target_dir, corpus, tmp_path / "out", *TINY, "hotvocab.full_vocab=true",
+                                 "eval.num_prompts=0"))
+    with pytest.raises(LyannaError, match="no training sample"):
+        train(cfg)
+
+
+def test_cli_turns_errors_into_one_line(tmp_path, tiny_corpus):
+    proc = subprocess.run([sys.executable, "-m", "lyanna_train.cli.train", f"target.name={tmp_path / 'nope'}",
+                           f"data.corpus=[{tiny_corpus}]", f"train.out_dir={tmp_path / 'o'}",
+                           "tracking.wandb.enabled=false"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2
+    errors = [l for l in proc.stderr.splitlines() if l.startswith("lyanna-train: error:")]
+    assert len(errors) == 1 and "Traceback" not in proc.stderr
