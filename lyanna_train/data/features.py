@@ -77,19 +77,51 @@ def _decoder_layers(model) -> Sequence[torch.nn.Module]:
     return layers
 
 
+class LayerCapture:
+    """Forward hooks on chosen decoder layers: ``with capture: model(...)``, then
+    :meth:`aux` is [B, T, k·H] for the positions that forward computed. Shared by the
+    feature extractor and the runtime, so both read exactly the same tensors."""
+
+    def __init__(self, model, layer_ids: Sequence[int] | None = None):
+        self.layers = _decoder_layers(model)
+        n = len(self.layers)
+        self.layer_ids = check_layer_ids(layer_ids, n) if layer_ids is not None else default_layer_ids(n)
+        self.aux_size = len(self.layer_ids) * int(model.config.hidden_size)
+        self._captured: dict[int, torch.Tensor] = {}
+        self._handles: list = []
+
+    def _keep(self, i: int):
+        def hook(_module, _inputs, output):
+            self._captured[i] = output[0] if isinstance(output, tuple) else output
+
+        return hook
+
+    def __enter__(self) -> "LayerCapture":
+        self._captured.clear()
+        self._handles = [self.layers[i].register_forward_hook(self._keep(i)) for i in self.layer_ids]
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+    def aux(self) -> torch.Tensor:
+        return torch.cat([self._captured.pop(i) for i in self.layer_ids], dim=-1)
+
+
 class FeatureExtractor:
     """Target features for batches of token ids; the "online" mode calls it inside a training step."""
 
     def __init__(self, model, layer_ids: Sequence[int] | None = None):
         self.model = model
-        self.layers = _decoder_layers(model)
-        n = len(self.layers)
-        self.layer_ids = check_layer_ids(layer_ids, n) if layer_ids is not None else default_layer_ids(n)
+        self.capture = LayerCapture(model, layer_ids)
+        self.layers, self.layer_ids = self.capture.layers, self.capture.layer_ids
         self.hidden_size = int(model.config.hidden_size)
 
     @property
     def aux_size(self) -> int:
-        return len(self.layer_ids) * self.hidden_size
+        return self.capture.aux_size
 
     def __call__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> TargetFeatures:
         """Features for ``input_ids`` [B, T].
@@ -97,20 +129,7 @@ class FeatureExtractor:
         Pad on the right and pass no mask: attention is causal, so real tokens never see
         the padding, and the mask-free path lets SDPA use its fast causal kernel.
         """
-        captured: dict[int, torch.Tensor] = {}
-
-        def keep(i):
-            def hook(_module, _inputs, output):
-                captured[i] = output[0] if isinstance(output, tuple) else output
-
-            return hook
-
-        handles = [self.layers[i].register_forward_hook(keep(i)) for i in self.layer_ids]
-        try:
-            with torch.inference_mode():
-                out = self.model.base_model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
-                aux = torch.cat([captured[i] for i in self.layer_ids], dim=-1)
-        finally:
-            for handle in handles:
-                handle.remove()
+        with self.capture, torch.inference_mode():
+            out = self.model.base_model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+            aux = self.capture.aux()
         return TargetFeatures(aux=aux, last=out.last_hidden_state)

@@ -38,7 +38,10 @@ def evaluate(cfg, parts, draft) -> dict:
                                  max_new_tokens=cfg.eval.max_new_tokens)
     finally:
         draft.train()
-    return {f"eval/{k}": v for k, v in result.items() if isinstance(v, (int, float))}
+    out = {f"eval/{k}": v for k, v in result.items() if isinstance(v, (int, float))}
+    for depth, rate in enumerate(result.get("accept_rate", []), start=1):  # acceptance by depth
+        out[f"eval/accept_rate_d{depth}"] = rate
+    return out
 
 
 def train(cfg, config_dict: dict | None = None) -> dict:

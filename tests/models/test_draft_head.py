@@ -108,7 +108,9 @@ def test_training_forward_equals_step_by_step_serving(pool):
                 else:
                     state = current
                 torch.testing.assert_close(head.score(state)[:, 0], train[j].logits[:, anchor], atol=2e-5, rtol=1e-4)
-                if j == 0 and head.gate is not None:
-                    pool_buf.push(current, pos)
+                if j == 0:
+                    step0 = current
+            if head.gate is not None:  # pushed after the chain: drafting from t sees exactly [t-128, t-1]
+                pool_buf.push(step0, pos)
         if head.gate is not None:
             assert bool(train[0].hit[:, 130:].all())  # the window was full and used

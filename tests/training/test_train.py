@@ -18,6 +18,12 @@ from .conftest import compose, tiny_overrides
 TINY = ("target.aux_layers=[0,1,2]",)
 
 
+def _clean_env() -> dict:
+    """This process's env minus the rendezvous variables an in-process run left behind."""
+    return {k: v for k, v in os.environ.items()
+            if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE")}
+
+
 def _losses(out) -> dict:
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     return {r["step"]: r["loss/total"] for r in rows if "loss/total" in r}
@@ -53,7 +59,7 @@ def test_two_ranks_under_the_deepspeed_launcher(tmp_path, tiny_target_dir, tiny_
     cmd = [deepspeed, "--num_gpus", "2", "--master_port", str(29700 + os.getpid() % 200), "--module",
            "lyanna_train.cli.train", *tiny_overrides(tiny_target_dir, tiny_corpus, out, *TINY, "train.max_steps=3",
                                                       "eval.num_prompts=0")]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=_clean_env())
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "on 2 rank(s)" in proc.stdout
     assert sorted(_losses(out)) == [1, 2, 3]
@@ -90,7 +96,21 @@ def test_data_without_assistant_turns_is_refused(tmp_path, tiny_target_dir):
 def test_cli_turns_errors_into_one_line(tmp_path, tiny_corpus):
     proc = subprocess.run([sys.executable, "-m", "lyanna_train.cli.train", f"target.name={tmp_path / 'nope'}",
                            f"data.corpus=[{tiny_corpus}]", f"train.out_dir={tmp_path / 'o'}",
-                           "tracking.wandb.enabled=false"], capture_output=True, text=True, timeout=300)
+                           "tracking.wandb.enabled=false"], capture_output=True, text=True, timeout=300,
+                          env=_clean_env())
     assert proc.returncode == 2
     errors = [l for l in proc.stderr.splitlines() if l.startswith("lyanna-train: error:")]
     assert len(errors) == 1 and "Traceback" not in proc.stderr
+
+
+def test_in_loop_evaluation_logs_acceptance_with_the_runtime(tmp_path, tiny_target_dir, tiny_corpus):
+    out = tmp_path / "eval"
+    result = train(compose(tiny_overrides(tiny_target_dir, tiny_corpus, out, *TINY, "train.max_steps=3", "eval.every=2",
+                                          "eval.num_prompts=2", "eval.depth=3", "eval.max_new_tokens=8")))
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    evals = [r for r in rows if "eval/mean_tau" in r]
+    assert [r["step"] for r in evals] == [2, 3]  # every 2 steps, and at the end
+    for r in evals:
+        assert r["eval/mean_tau"] >= 1.0 and r["eval/tokens"] == 16
+        assert [k for k in r if k.startswith("eval/accept_rate_d")] == [f"eval/accept_rate_d{d}" for d in (1, 2, 3)]
+    assert result["eval/mean_tau"] == evals[-1]["eval/mean_tau"]

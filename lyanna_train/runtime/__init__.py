@@ -1,0 +1,1 @@
+"""Serving: greedy chain speculative decoding with a draft head (torch + transformers only)."""

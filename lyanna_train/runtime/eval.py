@@ -1,0 +1,43 @@
+"""Acceptance of a draft head on a few prompts: the figure in-loop evaluation reports."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from ..models.draft_head import DraftHead
+from . import chain
+
+
+def mean_acceptance(target, draft: DraftHead, prompts: Sequence[Sequence[int]], depth: int, max_new_tokens: int,
+                    eos_ids: int | Sequence[int] | None = (), layer_ids: Sequence[int] | None = None) -> dict:
+    """Greedy chain decoding of each prompt; returns
+
+    * ``mean_tau``: new tokens / target forwards over all prompts (prefill forwards
+      included: 1.0 means no speedup in target forwards);
+    * ``mean_tau_verify``: mean of τ = accepted drafts + 1 over verify iterations only;
+    * ``accept_rate``: [depth] floats, entry k-1 = fraction of iterations that accepted
+      at least k drafted tokens (non-increasing in k);
+    * ``tokens``, ``target_forwards``, ``iterations``, ``wall_time`` (seconds).
+
+    ``eos_ids`` defaults to none, so every prompt contributes ``max_new_tokens`` tokens
+    and the figures do not depend on where the target happens to stop.
+    """
+    taus: list[int] = []
+    tokens = forwards = 0
+    wall = 0.0
+    for prompt in prompts:
+        result = chain.generate(target, draft, prompt, max_new_tokens, depth, eos_ids=eos_ids, layer_ids=layer_ids)
+        taus += result.accept_lengths
+        tokens += len(result.tokens)
+        forwards += result.target_forwards
+        wall += result.wall_time
+    iterations = max(len(taus), 1)
+    return {
+        "mean_tau": tokens / max(forwards, 1),
+        "mean_tau_verify": sum(taus) / iterations,
+        "accept_rate": [sum(t - 1 >= k for t in taus) / iterations for k in range(1, depth + 1)],
+        "tokens": tokens,
+        "target_forwards": forwards,
+        "iterations": len(taus),
+        "wall_time": wall,
+    }

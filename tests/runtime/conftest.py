@@ -1,0 +1,69 @@
+"""A tiny random Llama target, draft heads for it, and an oracle that drafts its greedy continuation."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lyanna_train.models.config import DraftConfig
+from lyanna_train.models.draft_head import DraftHead
+
+V, H = 256, 64
+LAYER_IDS = (0, 1, 2)  # default_layer_ids needs more than 4 layers
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny models gain nothing from intra-op threads, and with the other core busy
+    (a benchmark, a parallel test run) OpenMP's spin-waiting makes them ~40x slower."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="session")
+def tiny_target():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    # initializer_range 0.2: varied continuations (0.02 falls into loops at once) and clear argmax margins.
+    config = LlamaConfig(vocab_size=V, hidden_size=H, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+                         num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.2,
+                         bos_token_id=1, eos_token_id=None, pad_token_id=0)
+    model = LlamaForCausalLM(config).eval()
+    model.requires_grad_(False)
+    return model
+
+
+def make_draft(target, pool: bool, draft_vocab: int = 64, seed: int = 0) -> DraftHead:
+    torch.manual_seed(seed)
+    # Threshold 0 when the pool is on: random states rarely reach 0.85, and fusion must be exercised.
+    cfg = DraftConfig(target_hidden_size=H, vocab_size=V, draft_vocab_size=draft_vocab, hidden_size=H,
+                      intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                      pool_size=128 if pool else 0, pool_threshold=0.0)
+    hot = torch.randperm(V)[:draft_vocab]
+    return DraftHead(cfg, hot, target.model.embed_tokens.weight).eval()
+
+
+def greedy_reference(target, prompt: list[int], max_new_tokens: int, eos=None) -> list[int]:
+    """target.generate(do_sample=False): the output speculative decoding must reproduce."""
+    ids = torch.tensor([prompt])
+    out = target.generate(ids, max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=eos, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+def oracle_chain(full: list[int], good=None):
+    """A stand-in for ``draft_chain`` that drafts the true continuation ``full`` (prompt +
+    greedy tokens): all of it, or only ``good(i)`` tokens at iteration i, then wrong ones."""
+    calls = []
+
+    def chain(draft, state, depth):
+        n = state.anchor_pos + 2  # tokens accepted so far: the draft guesses x_n onwards
+        right = depth if good is None else min(good(len(calls)), depth)
+        tokens = [full[n + j] if j < right else (full[n + j] + 1) % V for j in range(depth)]
+        calls.append(n)
+        return torch.tensor([tokens], dtype=torch.long), None
+
+    chain.calls = calls
+    return chain

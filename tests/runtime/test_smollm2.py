@@ -1,0 +1,27 @@
+"""Lossless chain decoding on the embedded SmolLM2 with a random draft head."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lyanna_train.models.config import DraftConfig
+from lyanna_train.models.draft_head import DraftHead
+from lyanna_train.runtime.chain import generate
+
+
+@pytest.mark.slow
+def test_lossless_on_smollm2(smollm2_tokenizer):
+    from lyanna_train.target.model import load_target_model
+
+    target = load_target_model("smollm2")
+    torch.manual_seed(0)
+    cfg = DraftConfig.from_target(target.config, draft_vocab_size=2048, pool_size=128, pool_threshold=0.0)
+    draft = DraftHead(cfg, torch.randperm(target.config.vocab_size)[:2048], target.get_input_embeddings().weight).eval()
+    for text in ("The capital of France is", "def fibonacci(n):"):
+        prompt = smollm2_tokenizer(text)["input_ids"]
+        with torch.inference_mode():
+            ref = target.generate(torch.tensor([prompt]), max_new_tokens=16, do_sample=False)[0, len(prompt):].tolist()
+        out = generate(target, draft, prompt, 16, depth=4)  # EOS from the target's generation_config, as generate
+        assert out.tokens == ref
+        assert out.target_forwards == 1 + len(out.accept_lengths)
