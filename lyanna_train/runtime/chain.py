@@ -115,8 +115,8 @@ def generate(target, draft: DraftHead, prompt_ids, max_new_tokens: int, depth: i
 
     ``eos_ids``: stop after any of these (None: the target's ``generation_config``, as
     ``target.generate`` does; ``()``: never). ``layer_ids``: the target layers the draft
-    was trained on (None: those recorded in ``draft.cfg.aux_layer_ids``, else ``default_layer_ids``). The last iteration may accept past
-    ``max_new_tokens``; the surplus is cut."""
+    was trained on (None: ``draft.cfg.aux_layer_ids``, else ``default_layer_ids``). The
+    last iteration may accept past ``max_new_tokens``; the surplus is cut."""
     if max_new_tokens < 1 or depth < 0:
         raise ValueError(f"need max_new_tokens >= 1 and depth >= 0, got {max_new_tokens}, {depth}")
     eos = _eos_ids(target, eos_ids)
