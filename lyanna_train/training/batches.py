@@ -107,4 +107,5 @@ class OnlineBatches:
         for i, s in enumerate(chosen):
             ids[i, : len(s)], mask[i, : len(s)], valid[i, : len(s)] = s.input_ids, s.loss_mask, True
         feats = self.extractor(ids, valid.long())
-        return {"aux": feats.aux, "last": feats.last, "input_ids": ids, "loss_mask": mask, "valid": valid}
+        # inference-mode tensors cannot enter autograd: clone them into ordinary ones
+        return {"aux": feats.aux.clone(), "last": feats.last.clone(), "input_ids": ids, "loss_mask": mask, "valid": valid}

@@ -114,3 +114,18 @@ def test_in_loop_evaluation_logs_acceptance_with_the_runtime(tmp_path, tiny_targ
         assert r["eval/mean_tau"] >= 1.0 and r["eval/tokens"] == 16
         assert [k for k in r if k.startswith("eval/accept_rate_d")] == [f"eval/accept_rate_d{d}" for d in (1, 2, 3)]
     assert result["eval/mean_tau"] == evals[-1]["eval/mean_tau"]
+
+
+def test_online_features_train_like_cached(tmp_path, tiny_target_dir, tiny_corpus):
+    """The online mode runs the target inside the step and sees the same first batch as the cache."""
+    losses = {}
+    for mode in ("cached", "online"):
+        out = tmp_path / mode
+        train(compose(tiny_overrides(tiny_target_dir, tiny_corpus, out, *TINY, "train.max_steps=2", "eval.num_prompts=0",
+                                     f"data.features={mode}", f"hotvocab.path={tmp_path / 'cached' / 'hotvocab'}"
+                                     if mode == "online" else "hotvocab.path=null")))
+        losses[mode] = _losses(out)
+    assert not (tmp_path / "online" / "features").exists()
+    assert sorted(losses["online"]) == [1, 2]
+    # bf16 cached features vs fp32 online features: close, not equal
+    assert losses["online"][1] == pytest.approx(losses["cached"][1], rel=0.05)
