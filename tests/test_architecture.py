@@ -50,3 +50,12 @@ def test_import_is_cheap_and_needs_no_accelerator_stack():
     code = "import sys, lyanna_train; print(sorted(m for m in ('torch','deepspeed','triton','wandb') if m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+def test_only_the_engine_talks_to_deepspeed_and_only_tracking_to_wandb():
+    owners = {"deepspeed": {"training/engine.py"}, "wandb": {"training/tracking.py"}}
+    for path in PACKAGE.rglob("*.py"):
+        rel = str(path.relative_to(PACKAGE))
+        for name, allowed in owners.items():
+            if any(n.split(".")[0] == name for n in _imports(path)):
+                assert rel in allowed, f"{rel} imports {name}"
