@@ -90,8 +90,9 @@ class ShardCounter:
         self.on_flush = on_flush  # called with (documents, tokens encoded) after each batch
         self.backend = tokenizer.backend_tokenizer
         self.settings = settings
-        self.renderer = ChatRenderer(tokenizer) if settings.mode == "assistant" else None
-        self._chat_renderer_all = None if self.renderer else _maybe_renderer(tokenizer)
+        # One renderer for both modes; None only for a template-less tokenizer in "all" mode,
+        # where a conversation is then an error (raw text still counts).
+        self.renderer = ChatRenderer(tokenizer) if settings.mode == "assistant" or tokenizer.chat_template else None
         self.result = CountResult(np.zeros(vocab, np.int64), np.zeros(vocab, np.int64))
         self._batch: list[tuple[str, list | None, str]] = []
         self._chars = 0
@@ -101,10 +102,10 @@ class ShardCounter:
     def _render(self, doc: Document) -> tuple[str, list | None]:
         if not doc.is_conversation:
             return doc.text, None
-        if self.renderer is None:  # count everything the template renders
-            if self._chat_renderer_all is None:
-                raise LyannaError("the tokenizer has no chat template to render conversations with")
-            return self._chat_renderer_all.render(doc.messages), None
+        if self.renderer is None:
+            raise LyannaError("the tokenizer has no chat template to render conversations with")
+        if self.settings.mode == "all":  # every token the template renders
+            return self.renderer.render(doc.messages), None
         rendered = self.renderer.render_with_spans(doc.messages)
         self.result.unaligned_turns += rendered.unaligned_turns
         if not rendered.spans:
@@ -175,10 +176,6 @@ class ShardCounter:
         self.result.tokens_encoded += encoded
         if self.on_flush is not None:
             self.on_flush(len(batch), encoded)
-
-
-def _maybe_renderer(tokenizer):
-    return ChatRenderer(tokenizer) if getattr(tokenizer, "chat_template", None) else None
 
 
 def _keep(shard: tuple[int, int], worker: int, workers: int):
