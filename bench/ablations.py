@@ -27,10 +27,10 @@ VARIANTS = {
 }
 
 
-def run(name: str, extra: list[str], out: Path, common: list[str]) -> dict:
+def run(name: str, extra: list[str], out: Path, common: list[str], resume: bool) -> dict:
     run_dir = out / name
     cmd = [sys.executable, "-m", "lyanna_train.cli.train", "+recipe=smollm2_135m", f"train.out_dir={run_dir}",
-           "train.resume=never", *common, *extra]
+           f"train.resume={'auto' if resume else 'never'}", *common, *extra]
     start = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode:
@@ -46,6 +46,8 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=Path("checkpoints/ablations"))
     ap.add_argument("--variants", default=",".join(VARIANTS))
     ap.add_argument("--prompts", type=int, default=16, help="MT-Bench first turns evaluated")
+    ap.add_argument("--resume", action="store_true",
+                    help="continue each variant from its latest checkpoint (resume reproduces the uninterrupted run)")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     hot = args.out / "hotvocab"
@@ -54,18 +56,19 @@ def main() -> None:
                         "--ratios", "0.05,0.08,0.10", "--out", str(hot), "--no-progress"], check=True)
     common = [f"data.cache_dir={args.out / 'features'}", f"hotvocab.path={hot}", f"eval.num_prompts={args.prompts}",
               "tracking.wandb.enabled=false"]
-    results = {}
+    saved = args.out / "results.json"
+    results = json.loads(saved.read_text()) if saved.exists() else {}  # earlier variants are kept
     for name in args.variants.split(","):
         label, extra = VARIANTS[name]
-        results[name] = run(name, extra, args.out, common)
+        results[name] = run(name, extra, args.out, common, args.resume)
         r = results[name]
+        saved.write_text(json.dumps(results, indent=2))
         print(f"{name}: tau {r['eval/mean_tau_verify']:.3f}, acc0 {r['acc0']:.3f}, {r['minutes']:.1f} min", flush=True)
     print("\n| variant | τ (per verify) | accept d1 | d2 | d3 | train acc step0 | minutes |")
     print("|---|---:|---:|---:|---:|---:|---:|")
     for name, r in results.items():
         print(f"| {VARIANTS[name][0]} | {r['eval/mean_tau_verify']:.3f} | {r['eval/accept_rate_d1']:.3f} | "
               f"{r['eval/accept_rate_d2']:.3f} | {r['eval/accept_rate_d3']:.3f} | {r['acc0']:.3f} | {r['minutes']:.1f} |")
-    (args.out / "results.json").write_text(json.dumps(results, indent=2))
 
 
 if __name__ == "__main__":

@@ -7,10 +7,15 @@ import os
 from pathlib import Path
 
 import pytest
+import torch
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "true")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("WANDB_MODE", "offline")
+if not torch.cuda.is_available():
+    # Triton kernels run on the CPU through its interpreter, which must be chosen before
+    # triton is first imported (transformers imports it): here, before any test module.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 # A Llama-3-style template (headers, <|im_end|> as end-of-turn, nothing after it), so mask
 # derivation is checked on a template that differs from SmolLM2's ChatML.

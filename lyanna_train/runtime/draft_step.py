@@ -37,6 +37,7 @@ class DraftState:
         self.keys = weight.new_zeros(batch, cfg.num_key_value_heads, capacity, cfg.head_dim)
         self.values = torch.zeros_like(self.keys)
         self.length = 0  # positions 0..length-1 hold step-0 keys of accepted anchors
+        self.scratch = 0  # slots length..scratch-1 hold the keys of the tree being drafted
         self.pool = (StatePool(batch, cfg.pool_size, cfg.hidden_size, dtype=weight.dtype, device=weight.device)
                      if draft.gate is not None else None)
         self.pending: torch.Tensor | None = None  # [B, 1, H] step-0 state of the anchor, not pooled yet

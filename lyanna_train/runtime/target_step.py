@@ -63,3 +63,30 @@ def crop_cache(cache: DynamicCache, length: int) -> None:
         raise ValueError(f"cannot crop a cache of {cache.get_seq_length()} positions to {length}")
     if excess:
         cache.crop(-excess)  # a negative count removes that many (the only form transformers 5 accepts)
+
+
+def verify_tree(target, capture: LayerCapture, cache: DynamicCache, tokens: torch.Tensor, depths: torch.Tensor,
+                mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """ONE target forward over a token tree appended after ``cache``.
+
+    tokens, depths [1, N] (node 0 is the last accepted token, depth 0), mask
+    [1, 1, N, past + N] bool (``tree.attention_mask``) -> (logits [1, N, V], aux [1, N, k·H]):
+    each node is scored after the path to it. The cache grows by N in node order (see
+    :func:`keep_cache_positions`)."""
+    past = cache.get_seq_length()
+    with capture:
+        out = target(input_ids=tokens, position_ids=past + depths, attention_mask=mask, use_cache=True,
+                     **{_cache_kwarg(target): cache})
+    return out.logits, capture.aux()
+
+
+def keep_cache_positions(cache: DynamicCache, past: int, kept: list[int]) -> None:
+    """After a tree verify: keep positions 0..past-1 and then tree nodes ``kept`` (offsets
+    from ``past``, increasing), so the cache holds the accepted path in order."""
+    if kept == list(range(len(kept))):  # a prefix (always the case for chains): a crop is enough
+        crop_cache(cache, past + len(kept))
+        return
+    index = torch.cat([torch.arange(past), past + torch.tensor(kept)])
+    for layer in cache.layers:
+        layer.keys = layer.keys.index_select(-2, index.to(layer.keys.device))
+        layer.values = layer.values.index_select(-2, index.to(layer.values.device))

@@ -1,0 +1,54 @@
+"""``lyanna-export``: turn a training checkpoint into a serving directory.
+
+    lyanna-export checkpoints/smollm2_135m --out exports/smollm2-lyanna
+    lyanna-export checkpoints/smollm2_135m --out exports/smollm2-eagle3 --format eagle3 --speculators-config
+    lyanna-export checkpoints/smollm2_135m/checkpoints/step-00000150 --out exports/at-150
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from .common import entry_point
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="lyanna-export",
+        description="Export a trained draft head: weights, config.json, hot-vocabulary map and a manifest "
+        "(target/tokenizer fingerprints, training config, final metrics), written atomically.")
+    p.add_argument("checkpoint", metavar="CHECKPOINT_OR_RUN_DIR",
+                   help="a step-NNNNNNNN checkpoint, or a run directory (its latest complete checkpoint is used)")
+    p.add_argument("--out", required=True, help="output directory")
+    p.add_argument("--format", choices=["lyanna", "eagle3"], default="lyanna",
+                   help="lyanna: everything, state pool and alpha-gate included (default); eagle3: the "
+                   "LlamaForCausalLMEagle3 layout SGLang and vLLM load (no pool, no alpha-gate)")
+    p.add_argument("--speculators-config", action="store_true",
+                   help="eagle3 only: also write speculators/ (vLLM's 'speculators' config.json + the same weights)")
+    p.add_argument("--verifier", help="verifier name_or_path for the speculators config (default: the run's target)")
+    p.add_argument("--speculative-tokens", type=int, default=3,
+                   help="draft depth recorded in the speculators config (default 3)")
+    p.add_argument("--dtype", choices=["bfloat16", "float16", "float32"],
+                   help="cast the floating-point weights (default: as trained)")
+    p.add_argument("--target", help="target to fingerprint when the run directory does not record it "
+                   "(default: the checkpoint's target)")
+    p.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
+    return p
+
+
+@entry_point("lyanna-export")
+def main(argv: list[str]) -> int:
+    from ..errors import LyannaError
+    from ..export.writer import export_checkpoint
+
+    args = build_parser().parse_args(argv)
+    if args.speculative_tokens < 1:
+        raise LyannaError("--speculative-tokens must be at least 1")
+    export_checkpoint(args.checkpoint, args.out, args.format, target_name=args.target, dtype=args.dtype,
+                      overwrite=args.overwrite, speculators=args.speculators_config, verifier=args.verifier,
+                      speculative_tokens=args.speculative_tokens, say=print)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

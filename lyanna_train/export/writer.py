@@ -1,0 +1,209 @@
+"""Export a training checkpoint to a serving directory that describes itself.
+
+The directory (``model.safetensors``, ``config.json``, ``hot_vocab.safetensors``,
+``manifest.json``) is built in a hidden sibling and renamed into place only when
+complete. The manifest records what a loader must check (target and tokenizer
+fingerprints) and what a reader wants to know (training config, final metrics).
+Fingerprints come from the run's own artifacts when they exist (the feature cache
+and hot vocabulary record them), so exporting rarely needs to load the target.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from .. import __version__
+from ..atomic import atomic_directory, check_output_dir
+from ..errors import LyannaError
+from ..models.config import DraftConfig
+from . import formats as F
+from .loader import check_state, read_json, read_tensors
+
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def resolve_checkpoint(path: str | Path) -> Path:
+    """A checkpoint directory itself, or the latest complete checkpoint of a run (or checkpoints) directory."""
+    from ..training.checkpoint import latest_checkpoint
+
+    path = Path(path)
+    if not path.is_dir():
+        raise LyannaError(f"checkpoint or run directory not found: {path}")
+    if (path / "draft_config.json").is_file():
+        return path
+    for root in (path / "checkpoints", path):
+        found = latest_checkpoint(root)
+        if found is not None:
+            return found
+    raise LyannaError(f"{path} holds no complete checkpoint (step-NNNNNNNN/ with draft_config.json)")
+
+
+def read_checkpoint(ckpt: Path) -> tuple[DraftConfig, dict, dict]:
+    """(DraftConfig, extra keys of draft_config.json, DraftHead state dict), checked against each other."""
+    config_file = ckpt / "draft_config.json"
+    raw = read_json(config_file)
+    known = {f.name for f in dataclasses.fields(DraftConfig)}
+    cfg = F.config_from_lyanna({k: v for k, v in raw.items() if k in known}, str(config_file))
+    state = read_tensors(ckpt / F.WEIGHTS_FILE)
+    check_state(state, cfg, config_file, ckpt / F.WEIGHTS_FILE)
+    return cfg, {k: v for k, v in raw.items() if k not in known}, state
+
+
+def _run_json(run_dir: Path | None, rel: str) -> dict:
+    try:
+        return read_json(run_dir / rel) if run_dir is not None and (run_dir / rel).is_file() else {}
+    except LyannaError:
+        return {}
+
+
+def fingerprints(run_dir: Path | None, target_name: str | None, target=None, tokenizer=None,
+                 say: Callable = print) -> tuple[dict, dict]:
+    """({fingerprint, source}, {fingerprint, source}) of the target and tokenizer the draft was trained on."""
+    from ..target.fingerprint import tokenizer_fingerprint
+    from ..target.model import target_fingerprint
+
+    features, hot = _run_json(run_dir, "features/manifest.json"), _run_json(run_dir, "hotvocab/manifest.json")
+    if target is not None:
+        t = {"fingerprint": target_fingerprint(target), "source": "target model given"}
+    elif (features.get("target") or {}).get("fingerprint"):
+        t = {"fingerprint": features["target"]["fingerprint"], "source": "features/manifest.json"}
+    else:
+        if not target_name:
+            raise LyannaError("the checkpoint does not name its target: pass --target")
+        from ..target.model import load_target_model
+
+        say(f"loading target {target_name} to fingerprint it")
+        t = {"fingerprint": target_fingerprint(load_target_model(target_name)), "source": f"target {target_name}"}
+    if tokenizer is not None:
+        k = {"fingerprint": tokenizer_fingerprint(tokenizer), "source": "tokenizer given"}
+    elif features.get("tokenizer"):
+        k = {"fingerprint": features["tokenizer"], "source": "features/manifest.json"}
+    elif (hot.get("tokenizer") or {}).get("fingerprint"):
+        k = {"fingerprint": hot["tokenizer"]["fingerprint"], "source": "hotvocab/manifest.json"}
+    else:
+        if not target_name:
+            raise LyannaError("the checkpoint does not name its target: pass --target")
+        from ..target.loading import load_tokenizer
+
+        k = {"fingerprint": tokenizer_fingerprint(load_tokenizer(target_name)), "source": f"tokenizer {target_name}"}
+    return t, k
+
+
+def final_metrics(run_dir: Path | None, step: int | None) -> dict | None:
+    """The last logged value of every metric up to ``step`` (training and evaluation records merge)."""
+    path = run_dir / "metrics.jsonl" if run_dir is not None else None
+    if path is None or not path.is_file():
+        return None
+    merged: dict = {}
+    for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue  # a line cut by a crash
+        if isinstance(record, dict) and (step is None or record.get("step", 0) <= step):
+            merged.update(record)
+    return merged or None
+
+
+def _run_config(run_dir: Path | None) -> dict | None:
+    path = run_dir / "config.yaml" if run_dir is not None else None
+    if path is None or not path.is_file():
+        return None
+    import yaml
+
+    return yaml.safe_load(path.read_text(encoding="utf-8"))
+
+
+def format_tensors(state: dict, cfg: DraftConfig, fmt: str, dtype: torch.dtype | None) -> dict:
+    """Export names (through the format's table) and dtype; the eagle3 head loses its "other" row."""
+    state = dict(state)
+    if fmt == F.EAGLE3 and cfg.other_bucket:
+        state["lm_head.weight"] = state["lm_head.weight"][: cfg.draft_vocab_size]
+    out = F.rename(state, F.NAMES[fmt], "checkpoint")
+    if dtype is not None:
+        out = {k: v.to(dtype) if v.is_floating_point() else v for k, v in out.items()}
+    return {k: v.contiguous() for k, v in out.items()}
+
+
+def export_checkpoint(checkpoint_dir: str | Path, out_dir: str | Path, fmt: str = F.LYANNA, *,
+                      target=None, tokenizer=None, target_name: str | None = None, dtype: str | None = None,
+                      overwrite: bool = False, speculators: bool = False, verifier: str | None = None,
+                      speculative_tokens: int = 3, say: Callable = print) -> Path:
+    """Write ``out_dir`` from a checkpoint (or a run's latest one); returns the checkpoint used."""
+    from safetensors.torch import save_file
+
+    from ..hotvocab.artifact import save_hot_vocab
+    from ..hotvocab.selection import HotVocab
+
+    if fmt not in F.FORMATS:
+        raise LyannaError(f"unknown export format {fmt!r} (choose from {', '.join(F.FORMATS)})")
+    if dtype is not None and dtype not in DTYPES:
+        raise LyannaError(f"unknown dtype {dtype!r} (choose from {', '.join(DTYPES)})")
+    if speculators and fmt != F.EAGLE3:
+        raise LyannaError("the speculators config describes an EAGLE-3 head: use it with the eagle3 format")
+    out_dir = check_output_dir(out_dir, overwrite)
+    ckpt = resolve_checkpoint(checkpoint_dir)
+    cfg, extra, state = read_checkpoint(ckpt)
+    if fmt == F.EAGLE3:
+        F.check_eagle3(cfg)
+    run_dir = ckpt.parent.parent if ckpt.parent.name == "checkpoints" else None
+    step = int(ckpt.name.split("-")[-1]) if ckpt.name.startswith("step-") else None
+    target_name = target_name or extra.get("target")
+    say(f"exporting {ckpt} ({fmt} format)")
+    target_info, tokenizer_info = fingerprints(run_dir, target_name, target, tokenizer, say)
+    tensors = format_tensors(state, cfg, fmt, DTYPES.get(dtype))
+    dtype_name = str(tensors["fc.weight"].dtype).removeprefix("torch.")
+    config = F.lyanna_config(cfg) if fmt == F.LYANNA else F.eagle3_config(cfg, dtype_name)
+    dropped = [] if fmt == F.LYANNA else [p for p, on in (("state pool", cfg.pool_size > 0),
+                                                           ("alpha-gate", cfg.pool_enabled),
+                                                           ("other-bucket logit", cfg.other_bucket)) if on]
+    manifest = {
+        "kind": F.KIND, "version": F.VERSION, "format": fmt, "lyanna_train": __version__,
+        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "files": {"weights": F.WEIGHTS_FILE, "config": F.CONFIG_FILE, "hot_vocab": F.HOT_VOCAB_FILE},
+        "target": {"name": target_name, **target_info},
+        "tokenizer": tokenizer_info,
+        "aux_layers": {"ids": [int(i) for i in cfg.aux_layer_ids], "convention": F.AUX_CONVENTION,
+                       "sglang": F.sglang_layer_ids(cfg.aux_layer_ids), "vllm": F.vllm_layer_ids(cfg.aux_layer_ids)},
+        "dropped": dropped,
+        "training": {"checkpoint": str(ckpt.resolve()), "step": step, "draft_config": {**F.lyanna_config(cfg), **extra},
+                     "run_config": _run_config(run_dir)},
+        "metrics": final_metrics(run_dir, step),
+    }
+    if speculators:
+        manifest["files"]["speculators"] = f"{F.SPECULATORS_DIR}/{F.CONFIG_FILE}"
+    with atomic_directory(out_dir, overwrite=overwrite) as tmp:
+        save_file(tensors, str(tmp / F.WEIGHTS_FILE), metadata={"format": "pt", "lyanna_export": fmt})
+        (tmp / F.CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+        hot = HotVocab(state["d2t"] + torch.arange(len(state["d2t"])), state["d2t"], state["t2d"])
+        os.replace(tmp / save_hot_vocab(tmp, hot, tokenizer_info["fingerprint"]), tmp / F.HOT_VOCAB_FILE)
+        if speculators:
+            _write_speculators(tmp, cfg, verifier or target_name or "", speculative_tokens, dtype_name)
+        (tmp / F.MANIFEST_FILE).write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")
+        for path in tmp.rglob("*"):  # safetensors writes 0600; a serving directory is read by other users
+            if path.is_file():
+                path.chmod(0o644)
+    size = (out_dir / F.WEIGHTS_FILE).stat().st_size / 2**20
+    say(f"wrote {out_dir}: {len(tensors)} tensors, {size:.1f} MiB" +
+        (f"; left out (not expressible in EAGLE-3 engines): {', '.join(dropped)}" if dropped else ""))
+    return ckpt
+
+
+def _write_speculators(root: Path, cfg: DraftConfig, verifier: str, tokens: int, dtype: str) -> None:
+    """A directory vLLM loads as a "speculators" model: its config + the same weights (hard link when possible)."""
+    sub = root / F.SPECULATORS_DIR
+    sub.mkdir()
+    (sub / F.CONFIG_FILE).write_text(json.dumps(F.speculators_config(cfg, verifier, tokens, dtype), indent=2) + "\n",
+                                     encoding="utf-8")
+    try:
+        os.link(root / F.WEIGHTS_FILE, sub / F.WEIGHTS_FILE)
+    except OSError:
+        shutil.copyfile(root / F.WEIGHTS_FILE, sub / F.WEIGHTS_FILE)

@@ -1,0 +1,130 @@
+"""Draft a token tree with the draft head (EAGLE-2's expand-then-rerank, static widths).
+
+Level 1 scores the anchor's fused state: its top-``branch`` tokens are the root's
+children. Each further level runs the draft once over the ``beam`` best nodes of the
+previous level (best = highest cumulative draft log-probability), each attending to the
+accepted cache and to its own ancestors' scratch keys, fuses with the pool, and scores
+all of them in one matrix product over the hot vocabulary. Finally the ``max_nodes``
+best candidates of all levels form the tree; a node's ancestors always score at least as
+well, so the selection is a tree. With ``branch = beam = 1`` this is chain drafting.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..models.draft_head import DraftHead
+from .draft_step import DraftState
+from .tree import TokenTree
+
+
+@dataclass(frozen=True)
+class TreeShape:
+    depth: int = 5  # levels below the root
+    branch: int = 1  # children scored per expanded node (top-k)
+    beam: int = 1  # nodes expanded per level
+    max_nodes: int = 5  # drafted nodes kept (the root excluded)
+
+    def __post_init__(self):
+        if self.depth < 0 or self.branch < 1 or self.beam < 1 or self.max_nodes < 0:
+            raise ValueError(f"need depth >= 0, branch >= 1, beam >= 1, max_nodes >= 0, got {self}")
+
+
+@dataclass
+class _Candidate:
+    parent: int  # index into the candidate list, -1 for the root
+    token: int  # target id
+    score: float  # cumulative draft log-probability
+    depth: int
+
+
+def score_top(draft: DraftHead, fused: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """fused [N, H] -> top-k (draft log-probabilities [N, k], target ids [N, k]) over the
+    hot vocabulary: one matrix product for every node of a level."""
+    logits = draft.score(fused)[..., : draft.cfg.draft_vocab_size].float()
+    top, index = torch.topk(logits, min(k, logits.shape[-1]), dim=-1)
+    return top - torch.logsumexp(logits, dim=-1, keepdim=True), draft.draft_to_target(index)
+
+
+def _expand(draft: DraftHead, state: DraftState, parent_states: torch.Tensor, tokens: list[int], depths: list[int],
+            ancestor_slots: list[list[int]]) -> torch.Tensor:
+    """Run the draft over N tree nodes (one level) -> their fused states [N, H].
+
+    Their keys go to scratch slots after everything cached so far, which the cache length
+    does not cover: the next extension overwrites them."""
+    n, first = len(tokens), state.scratch
+    device = parent_states.device
+    ids = torch.tensor([tokens], device=device)
+    positions = state.anchor_pos + torch.tensor([depths], device=device)
+    mask = torch.zeros(1, 1, n, first + n, dtype=torch.bool, device=device)
+    mask[..., : state.length] = True
+    for i, slots in enumerate(ancestor_slots):
+        mask[0, 0, i, slots] = True
+        mask[0, 0, i, first + i] = True
+    current, k, v = draft.forward_cached(parent_states[None], ids, positions, state.keys[:, :, :first],
+                                         state.values[:, :, :first], mask)
+    state.write(first, k, v)
+    state.scratch = first + n
+    if state.pool is None:
+        return current[0]
+    anchors = torch.full((1, n), state.anchor_pos, device=device)  # retrieval by anchor, as in training
+    sim, retrieved = state.pool.retrieve(current, anchors)
+    fused, _, _ = draft.pool_fuse(current, sim, retrieved)
+    return fused[0]
+
+
+def draft_tree(draft: DraftHead, state: DraftState, tree: TokenTree, shape: TreeShape) -> list[int]:
+    """Add the draft's best ``shape.max_nodes`` candidates below the root of ``tree``.
+
+    Leaves the draft's cache and pool as they were. Returns the new nodes."""
+    if shape.depth == 0 or shape.max_nodes == 0:
+        return []
+    state.scratch = state.length
+    state.reserve(state.length + shape.beam * shape.depth)
+    root_state = state.anchor_state[0, 0]
+    cands: list[_Candidate] = []
+    slot_of: dict[int, int] = {}  # expanded candidate -> its scratch slot
+    fused_of: dict[int, torch.Tensor] = {}  # expanded candidate -> its fused state [H]
+    logp, ids = score_top(draft, state.anchor_state[0], shape.branch)
+    level = _add_children(cands, [-1], [0.0], [0], logp, ids)
+    for _ in range(2, shape.depth + 1):
+        chosen = sorted(level, key=lambda c: -cands[c].score)[: shape.beam]
+        parents = [cands[c].parent for c in chosen]
+        first = state.scratch
+        fused = _expand(draft, state, torch.stack([root_state if p < 0 else fused_of[p] for p in parents]),
+                        [cands[c].token for c in chosen], [cands[c].depth for c in chosen],
+                        [[slot_of[a] for a in _lineage(cands, p)] for p in parents])
+        for i, c in enumerate(chosen):
+            slot_of[c], fused_of[c] = first + i, fused[i]
+        logp, ids = score_top(draft, fused, shape.branch)
+        level = _add_children(cands, chosen, [cands[c].score for c in chosen], [cands[c].depth for c in chosen],
+                              logp, ids)
+    best = sorted(range(len(cands)), key=lambda c: -cands[c].score)[: shape.max_nodes]
+    keep = {a for c in best for a in _lineage(cands, c)}  # ties could leave out an ancestor: put it back
+    node_of: dict[int, int] = {}
+    for c in sorted(keep, key=lambda c: (cands[c].depth, -cands[c].score)):
+        parent = cands[c].parent
+        node_of[c] = tree.add(0 if parent < 0 else node_of[parent], cands[c].token)
+    return list(node_of.values())
+
+
+def _lineage(cands: list[_Candidate], c: int) -> list[int]:
+    """Candidates from the top level down to ``c`` (empty for the root, -1)."""
+    out = []
+    while c >= 0:
+        out.append(c)
+        c = cands[c].parent
+    return out[::-1]
+
+
+def _add_children(cands: list[_Candidate], parents: list[int], scores: list[float], depths: list[int],
+                  logp: torch.Tensor, ids: torch.Tensor) -> list[int]:
+    """Append the scored children [P, k] of each parent -> their candidate indices."""
+    added = []
+    for row, (parent, score, depth) in enumerate(zip(parents, scores, depths)):
+        for lp, token in zip(logp[row].tolist(), ids[row].tolist()):
+            cands.append(_Candidate(parent, token, score + lp, depth + 1))
+            added.append(len(cands) - 1)
+    return added

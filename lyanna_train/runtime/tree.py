@@ -1,0 +1,93 @@
+"""Token trees: what one verify forward checks, built from draft and prompt-lookup candidates.
+
+Node 0 is the root: the last accepted token, not yet run through the target. Every other
+node is a candidate for the position after its parent. Parents come before children, and
+siblings carry distinct tokens (a candidate proposed twice is one node), so a path through
+the tree is identified by its tokens. The target scores all nodes in one forward with
+:func:`attention_mask`, where each node sees the cache and its own ancestors only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class TokenTree:
+    tokens: list[int] = field(default_factory=list)  # target ids; tokens[0] is the root
+    parents: list[int] = field(default_factory=list)  # parents[0] = -1
+    depths: list[int] = field(default_factory=list)  # root 0, its children 1, ...
+    children: list[dict[int, int]] = field(default_factory=list)  # token -> node, in insertion order
+
+    @classmethod
+    def rooted_at(cls, token: int) -> "TokenTree":
+        return cls([int(token)], [-1], [0], [{}])
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def add(self, parent: int, token: int) -> int:
+        """The child of ``parent`` with ``token`` (created unless it exists) -> its node index."""
+        token = int(token)
+        found = self.children[parent].get(token)
+        if found is not None:
+            return found
+        node = len(self.tokens)
+        self.tokens.append(token)
+        self.parents.append(parent)
+        self.depths.append(self.depths[parent] + 1)
+        self.children.append({})
+        self.children[parent][token] = node
+        return node
+
+    def add_path(self, tokens, parent: int = 0) -> list[int]:
+        """Insert a chain of candidates below ``parent`` (shared prefixes merge) -> its nodes."""
+        nodes = []
+        for token in tokens:
+            parent = self.add(parent, token)
+            nodes.append(parent)
+        return nodes
+
+    def ancestors(self, node: int) -> list[int]:
+        """Nodes from the root down to ``node``, both included."""
+        path = []
+        while node >= 0:
+            path.append(node)
+            node = self.parents[node]
+        return path[::-1]
+
+    def path_tokens(self, path: list[int]) -> list[int]:
+        return [self.tokens[n] for n in path]
+
+
+def ancestor_matrix(parents: list[int], device=None) -> torch.Tensor:
+    """[N, N] bool: entry (i, j) is True iff node j is node i or one of its ancestors."""
+    n = len(parents)
+    seen = torch.eye(n, dtype=torch.bool, device=device)
+    for i in range(1, n):  # parents come first, so row parents[i] is complete
+        seen[i] |= seen[parents[i]]
+    return seen
+
+
+def attention_mask(parents: list[int], past: int, device=None) -> torch.Tensor:
+    """[1, 1, N, past + N] bool for a verify forward: all cached positions, then ancestors."""
+    tree = ancestor_matrix(parents, device)
+    cached = torch.ones(len(parents), past, dtype=torch.bool, device=device)
+    return torch.cat([cached, tree], dim=1)[None, None]
+
+
+def accept_greedy_tree(tree: TokenTree, target_argmax: list[int]) -> tuple[list[int], int]:
+    """Follow the target's greedy choice down the tree.
+
+    target_argmax[i]: the target's next token after the path to node i. Returns the
+    accepted path (node indices, root first) and the target's token after it (the bonus):
+    exactly what plain greedy decoding emits, so the result is lossless.
+    """
+    node = 0
+    path = [0]
+    while (child := tree.children[node].get(int(target_argmax[node]))) is not None:
+        node = child
+        path.append(node)
+    return path, int(target_argmax[node])
