@@ -4,7 +4,11 @@ Layout of a cache directory (written by :mod:`.feature_cache_writer`)::
 
     manifest.json                      settings, fingerprints and the shard plan
     shards/shard-00007.safetensors     bf16 aux [N, k*H] and last [N, H], input_ids [N] int32,
-                                       loss_mask [N] bool, offsets [n+1], sample_index [n]
+                                       loss_mask [N] bool, offsets [n+1], sample_index [n],
+                                       teacher_top1 [N] int32 and teacher_lse [N] fp32: the
+                                       full-vocabulary top-1 and logsumexp of lm_head(last)
+                                       (absent from caches written before them: training
+                                       then computes them)
     shards/shard-00007.json            index entry: sha256 and size of the file above
 
 Samples are packed back to back in a shard: sample j is rows ``offsets[j]:offsets[j+1]``.
@@ -27,6 +31,7 @@ from ..errors import LyannaError
 FORMAT = "lyanna-feature-cache"
 VERSION = 1
 SHARDS = "shards"
+FEATURE_KEYS = ("aux", "last", "loss_mask", "teacher_top1", "teacher_lse")  # per-token rows besides input_ids
 DTYPE = torch.bfloat16  # features on disk: half the bytes of fp32, the precision training uses
 
 
@@ -39,8 +44,9 @@ def entry_path(root: Path, shard: int) -> Path:
 
 
 def bytes_per_token(aux_size: int, hidden_size: int) -> int:
-    """Disk bytes per token: bf16 aux and last, int32 id, bool mask (offsets are per sample)."""
-    return (aux_size + hidden_size) * DTYPE.itemsize + 4 + 1
+    """Disk bytes per token: bf16 aux and last, int32 id, bool mask, int32 + fp32 teacher
+    summary (offsets are per sample)."""
+    return (aux_size + hidden_size) * DTYPE.itemsize + 4 + 1 + 8
 
 
 def file_sha256(path: Path) -> str:
@@ -165,9 +171,8 @@ class FeatureCache:
             for j in order:
                 a, b = int(t["offsets"][j]), int(t["offsets"][j + 1])
                 # clone: a view would keep (and ship to DataLoader workers) the whole shard
-                yield {"index": int(t["sample_index"][j]), "aux": t["aux"][a:b].clone(),
-                       "last": t["last"][a:b].clone(), "input_ids": t["input_ids"][a:b].long(),
-                       "loss_mask": t["loss_mask"][a:b].clone()}
+                yield {"index": int(t["sample_index"][j]), "input_ids": t["input_ids"][a:b].long(),
+                       **{key: t[key][a:b].clone() for key in FEATURE_KEYS if key in t}}
 
 
 class FeatureDataset(torch.utils.data.IterableDataset):
@@ -215,5 +220,5 @@ def collate_features(items: list[dict]) -> dict[str, torch.Tensor]:
             out[row, : len(x[key])] = x[key]
         return out
 
-    return {"index": torch.tensor([x["index"] for x in items]), "lengths": lengths,
-            **{key: pad(key) for key in ("aux", "last", "input_ids", "loss_mask")}}
+    return {"index": torch.tensor([x["index"] for x in items]), "lengths": lengths, "input_ids": pad("input_ids"),
+            **{key: pad(key) for key in FEATURE_KEYS if key in items[0]}}

@@ -37,7 +37,7 @@ from .batching import collate, length_grouped_batches
 from .feature_cache import (
     DTYPE, FORMAT, SHARDS, VERSION, bytes_per_token, entry_path, read_manifest, shard_path, shard_problem,
 )
-from .features import LAYER_CONVENTION, FeatureExtractor
+from .features import LAYER_CONVENTION, FeatureExtractor, teacher_summary
 from .samples import Sample
 
 # What must match for a resumed build (or another --shard process) to add to a cache.
@@ -179,10 +179,14 @@ class _BackgroundWriter:
 
 
 def compute_shard(extractor, group: ShardSamples, batch_tokens: int, on_tokens=None) -> dict[str, torch.Tensor]:
-    """Run the target over one shard and pack its features: aux [N, k*H], last [N, H] in bf16."""
+    """Run the target over one shard and pack its features: aux [N, k*H], last [N, H] in bf16,
+    and the teacher's full-vocabulary summary (top-1 int32, logsumexp fp32, from fp32 states)."""
     offsets = torch.tensor([0, *itertools.accumulate(len(t) for t in group.input_ids)], dtype=torch.int64)
     aux = torch.empty(group.tokens, extractor.aux_size, dtype=DTYPE)
     last = torch.empty(group.tokens, extractor.hidden_size, dtype=DTYPE)
+    top1 = torch.empty(group.tokens, dtype=torch.int32)
+    lse = torch.empty(group.tokens, dtype=torch.float32)
+    lm_weight = extractor.model.get_output_embeddings().weight
     for batch in shard_batches(group, batch_tokens):
         # pad id 0 on the right: causal attention keeps real tokens from ever reading it
         feats = extractor(collate(batch, pad_id=0)["input_ids"])
@@ -190,9 +194,10 @@ def compute_shard(extractor, group: ShardSamples, batch_tokens: int, on_tokens=N
             a, b = int(offsets[sample.index]), int(offsets[sample.index + 1])
             aux[a:b] = feats.aux[row, : b - a]
             last[a:b] = feats.last[row, : b - a]
+            top1[a:b], lse[a:b] = teacher_summary(feats.last[row, : b - a], lm_weight)
         if on_tokens is not None:
             on_tokens(sum(len(sample) for sample in batch))
-    return {"aux": aux, "last": last, "input_ids": torch.cat(group.input_ids),
+    return {"aux": aux, "last": last, "teacher_top1": top1, "teacher_lse": lse, "input_ids": torch.cat(group.input_ids),
             "loss_mask": torch.cat(group.loss_mask), "offsets": offsets,
             "sample_index": torch.tensor(group.index, dtype=torch.int64)}
 

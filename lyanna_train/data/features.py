@@ -133,3 +133,19 @@ class FeatureExtractor:
             out = self.model.base_model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
             aux = self.capture.aux()
         return TargetFeatures(aux=aux, last=out.last_hidden_state)
+
+
+def teacher_summary(last: torch.Tensor, lm_weight: torch.Tensor, chunk: int = 2048) -> tuple[torch.Tensor, torch.Tensor]:
+    """last [N, H] -> (top-1 id [N] int64, logsumexp [N] fp32) of the full-vocabulary logits.
+
+    All the loss needs from outside the hot vocabulary: whether the top-1 is hot, and the
+    normaliser. Stored in the feature cache, it spares training the full LM head (most
+    of a small draft's step); formed in chunks of positions, never kept whole."""
+    top1, lse = [], []
+    for i in range(0, last.shape[0], chunk):
+        logits = last[i:i + chunk].float() @ lm_weight.float().T
+        top1.append(logits.argmax(-1))
+        lse.append(torch.logsumexp(logits, dim=-1))
+    if not top1:
+        return last.new_zeros(0, dtype=torch.long), last.new_zeros(0, dtype=torch.float32)
+    return torch.cat(top1), torch.cat(lse)

@@ -17,20 +17,30 @@ import torch.nn.functional as F
 OUT_OF_VOCAB_MODES = ("mask", "other")
 
 
-def teacher_targets(target_logits: torch.Tensor, hot_ids: torch.Tensor, mode: str):
-    """target_logits [N, V] -> (teacher log-probs [N, V_hot(+1)], usable [N] bool, top-1 in hot [N] bool)."""
-    logp = torch.log_softmax(target_logits.float(), dim=-1)
-    hot = logp[:, hot_ids]
-    in_hot = torch.zeros(target_logits.shape[-1], dtype=torch.bool, device=hot_ids.device)
-    in_hot[hot_ids] = True
-    top1_hot = in_hot[target_logits.argmax(-1)]
+def teacher_from_summary(hot_logits: torch.Tensor, top1_hot: torch.Tensor, lse: torch.Tensor, mode: str):
+    """The teacher from the hot logits [N, V_hot], whether the top-1 is hot [N] and the
+    full logsumexp [N] -> (log-probs [N, V_hot(+1)], usable [N] bool)."""
     if mode == "mask":
-        return torch.log_softmax(hot, dim=-1), top1_hot, top1_hot
+        return torch.log_softmax(hot_logits.float(), dim=-1), top1_hot
     if mode == "other":
-        hot_mass = torch.logsumexp(hot, dim=-1, keepdim=True)
-        other = torch.log1p(-hot_mass.exp().clamp(max=1 - 1e-6))
-        return torch.cat([hot, other], dim=-1), torch.ones_like(top1_hot), top1_hot
+        hot = hot_logits.float() - lse.float()[:, None]
+        other = torch.log1p(-torch.logsumexp(hot, dim=-1, keepdim=True).exp().clamp(max=1 - 1e-6))
+        return torch.cat([hot, other], dim=-1), torch.ones_like(top1_hot)
     raise ValueError(f"unknown out-of-vocabulary mode {mode!r} (expected one of {OUT_OF_VOCAB_MODES})")
+
+
+def hot_mask(hot_ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """[V] bool: which target ids are hot."""
+    return torch.zeros(vocab_size, dtype=torch.bool, device=hot_ids.device).index_fill_(0, hot_ids, True)
+
+
+def teacher_targets(target_logits: torch.Tensor, hot_ids: torch.Tensor, mode: str):
+    """The plain definition, from full logits [N, V] -> (teacher log-probs [N, V_hot(+1)],
+    usable [N] bool, top-1 in hot [N] bool)."""
+    logits = target_logits.float()
+    top1_hot = hot_mask(hot_ids, logits.shape[-1])[logits.argmax(-1)]
+    logp, usable = teacher_from_summary(logits[:, hot_ids], top1_hot, torch.logsumexp(logits, dim=-1), mode)
+    return logp, usable, top1_hot
 
 
 def kl_to_teacher(draft_logits: torch.Tensor, teacher_logp: torch.Tensor) -> torch.Tensor:

@@ -1,1 +1,1 @@
-"""Serving: greedy chain speculative decoding with a draft head (torch + transformers only)."""
+"""Serving: speculative decoding from an exported draft head (torch + transformers only)."""

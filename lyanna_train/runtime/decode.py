@@ -71,7 +71,7 @@ class GenerationResult:
 class Session:
     """Everything one sequence's decoding carries between iterations."""
 
-    capture: LayerCapture
+    capture: LayerCapture | None  # None without a draft: no features needed
     target_cache: DynamicCache  # positions 0..n-2
     draft_state: DraftState | None
     context: torch.Tensor  # [capacity] ids x_0..x_{n-1} in the first n slots (prompt lookup reads it)
@@ -108,10 +108,12 @@ def prefill(target, draft: DraftHead | None, prompt_ids, settings: DecodeSetting
     """Run the target over the prompt [1, P] (-> its next token x_P) and the draft's step 0
     over anchors 0..P-1 (tokens x_1..x_P), filling both caches and the pool."""
     prompt = _as_prompt(prompt_ids, target.device)
-    capture = LayerCapture(target, layer_ids or (draft.cfg.aux_layer_ids if draft is not None else None) or None)
-    if draft is not None and capture.aux_size != draft.fc.in_features:
-        raise ValueError(f"the draft's fc reads {draft.fc.in_features} features, "
-                         f"layers {capture.layer_ids} of the target give {capture.aux_size}")
+    capture = None
+    if draft is not None:
+        capture = LayerCapture(target, layer_ids or draft.cfg.aux_layer_ids or None)
+        if capture.aux_size != draft.fc.in_features:
+            raise ValueError(f"the draft's fc reads {draft.fc.in_features} features, "
+                             f"layers {capture.layer_ids} of the target give {capture.aux_size}")
     cache = DynamicCache(config=target.config)
     logits, aux = target_forward(target, capture, cache, prompt, logits_to_keep=1)
     generator = torch.Generator().manual_seed(settings.seed)

@@ -1,4 +1,4 @@
-"""The draft's side of chain speculative decoding: extend (step 0) and draft (steps 1..d-1).
+"""The draft's cache, pool and step 0 (:func:`draft_extend`); drafting is in :mod:`.draft_tree`.
 
 Anchor *t* is the last position whose target features are known (the last accepted token
 is x_{t+1}). The serving schedule is the one ``DraftHead.forward_unrolled`` trains on
@@ -8,9 +8,9 @@ is x_{t+1}). The serving schedule is the one ``DraftHead.forward_unrolled`` trai
   ``fc(aux[a])`` with token x_{a+1} at position a. Its keys join the draft KV cache for
   good, its states (before fusion) join the pool, and the fused state of the last anchor
   is where the next chain starts.
-* :func:`draft_chain` scores that state (-> x_{t+2}), then runs step j with the fused
-  state of step j-1 and the drafted token at position t+j. Chain keys go to scratch slots
-  after the cache and are forgotten by not advancing its length.
+* :func:`.draft_tree.draft_tree` scores that state (-> x_{t+2}), then runs step j with
+  the fused state of step j-1 and the drafted token at position t+j. Tree keys go to
+  scratch slots after the cache and are forgotten by not advancing its length.
 
 The pool must offer anchor t exactly the training window [t - size, t - 1]: the anchor's
 own step-0 state is therefore held back (``pending``) and pushed with the next chunk, so
@@ -41,7 +41,7 @@ class DraftState:
         self.pool = (StatePool(batch, cfg.pool_size, cfg.hidden_size, dtype=weight.dtype, device=weight.device)
                      if draft.gate is not None else None)
         self.pending: torch.Tensor | None = None  # [B, 1, H] step-0 state of the anchor, not pooled yet
-        self.anchor_state: torch.Tensor | None = None  # [B, 1, H] its fused state: the chain's input
+        self.anchor_state: torch.Tensor | None = None  # [B, 1, H] its fused state: drafting's input
         self.anchor_pos = -1
 
     def reserve(self, total: int) -> None:
@@ -92,38 +92,3 @@ def draft_extend(draft: DraftHead, state: DraftState, aux: torch.Tensor, next_to
         state.pool.push(extra[:, :-1], extra_pos[:, :-1])
         state.pending = current[:, -1:]
     state.anchor_state, state.anchor_pos = fused[:, -1:], start + n - 1
-
-
-def _greedy(draft: DraftHead, fused: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """fused [B, 1, H] -> (target id [B, 1], hot logits [B, 1, V_hot]); the optional
-    "other" bucket is not a token, so it is never proposed."""
-    logits = draft.score(fused)[..., : draft.cfg.draft_vocab_size]
-    return draft.draft_to_target(logits.argmax(-1)), logits
-
-
-def draft_chain(draft: DraftHead, state: DraftState, depth: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``depth`` greedy draft tokens after the anchor -> (target ids [B, d], hot logits [B, d, V_hot]).
-
-    Token j is the draft's guess for x_{t+2+j}. Leaves the cache and pool as they were."""
-    fused, t = state.anchor_state, state.anchor_pos
-    anchor = torch.full((fused.shape[0], 1), t, device=fused.device)
-    state.reserve(state.length + depth)
-    tokens, logits = [], []
-    for j in range(depth):
-        if j:
-            past = state.length + j - 1  # accepted keys, then the chain's own keys of steps 1..j-1
-            mask = torch.ones(1, 1, 1, past + 1, dtype=torch.bool, device=fused.device)
-            current, k, v = draft.forward_cached(fused, tokens[-1], anchor + j, state.keys[:, :, :past],
-                                                 state.values[:, :, :past], mask)
-            state.write(past, k, v)  # scratch slot: the length does not move
-            fused = current
-            if state.pool is not None:  # retrieval is by anchor position, as in training
-                sim, retrieved = state.pool.retrieve(current, anchor)
-                fused, _, _ = draft.pool_fuse(current, sim, retrieved)
-        token, step_logits = _greedy(draft, fused)
-        tokens.append(token)
-        logits.append(step_logits)
-    if not tokens:
-        empty = state.keys.new_zeros(fused.shape[0], 0, draft.cfg.draft_vocab_size)
-        return torch.zeros(fused.shape[0], 0, dtype=torch.long, device=fused.device), empty
-    return torch.cat(tokens, dim=1), torch.cat(logits, dim=1)

@@ -5,12 +5,15 @@ from __future__ import annotations
 from typing import Sequence
 
 from ..models.draft_head import DraftHead
-from . import chain
+from . import decode
+from .draft_tree import TreeShape
 
 
 def mean_acceptance(target, draft: DraftHead, prompts: Sequence[Sequence[int]], depth: int, max_new_tokens: int,
-                    eos_ids: int | Sequence[int] | None = (), layer_ids: Sequence[int] | None = None) -> dict:
-    """Greedy chain decoding of each prompt; returns
+                    eos_ids: int | Sequence[int] | None = (), layer_ids: Sequence[int] | None = None,
+                    settings: decode.DecodeSettings | None = None) -> dict:
+    """Greedy decoding of each prompt (a chain of ``depth`` drafts unless ``settings`` say
+    otherwise); returns
 
     * ``mean_tau``: new tokens / target forwards over all prompts (prefill forwards
       included: 1.0 means no speedup in target forwards);
@@ -25,8 +28,9 @@ def mean_acceptance(target, draft: DraftHead, prompts: Sequence[Sequence[int]], 
     taus: list[int] = []
     tokens = forwards = 0
     wall = 0.0
+    settings = settings or decode.DecodeSettings(tree=TreeShape(depth, 1, 1, depth))
     for prompt in prompts:
-        result = chain.generate(target, draft, prompt, max_new_tokens, depth, eos_ids=eos_ids, layer_ids=layer_ids)
+        result = decode.generate(target, draft, prompt, max_new_tokens, settings, eos_ids=eos_ids, layer_ids=layer_ids)
         taus += result.accept_lengths
         tokens += len(result.tokens)
         forwards += result.target_forwards

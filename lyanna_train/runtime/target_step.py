@@ -1,4 +1,4 @@
-"""The target's side of chain speculative decoding: prefill, verify, roll back.
+"""The target's side of speculative decoding: forward with feature capture, tree verify, roll back.
 
 The target keeps a transformers ``DynamicCache``. Between iterations it holds every
 accepted token but the last one: that token's logits and features come out of the next
@@ -25,35 +25,21 @@ def _cache_kwarg(target) -> str:
     return "cache" if "cache" in inspect.signature(target.forward).parameters else "past_key_values"
 
 
-def target_forward(target, capture: LayerCapture, cache: DynamicCache, input_ids: torch.Tensor,
+def _run(target, capture: LayerCapture | None, **inputs):
+    """The target's forward, with the aux features when a capture is given (else None)."""
+    if capture is None:
+        return target(**inputs).logits, None
+    with capture:
+        logits = target(**inputs).logits
+    return logits, capture.aux()
+
+
+def target_forward(target, capture: LayerCapture | None, cache: DynamicCache, input_ids: torch.Tensor,
                    logits_to_keep: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """input_ids [B, T] appended after ``cache`` -> (logits [B, T or logits_to_keep, V],
     aux [B, T, k·H]); the cache grows by T."""
-    with capture:
-        out = target(input_ids=input_ids, use_cache=True, logits_to_keep=logits_to_keep,
-                     **{_cache_kwarg(target): cache})
-    return out.logits, capture.aux()
-
-
-def target_prefill(target, capture: LayerCapture, prompt_ids: torch.Tensor):
-    """prompt_ids [B, P] -> (cache holding P positions, next token [B, 1], aux [B, P, k·H]).
-
-    Only the last position's logits are needed: the lm_head over the whole prompt is skipped."""
-    cache = DynamicCache(config=target.config)
-    logits, aux = target_forward(target, capture, cache, prompt_ids, logits_to_keep=1)
-    return cache, logits[:, -1:].argmax(-1), aux
-
-
-def verify(target, capture: LayerCapture, cache: DynamicCache, last_token: torch.Tensor,
-           draft_tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """ONE target forward over [last accepted token, d drafted tokens].
-
-    last_token [B, 1], draft_tokens [B, d] (target ids) -> (target argmax [B, d+1],
-    aux [B, d+1, k·H]). argmax[:, i] is the target's greedy token after input i, so it
-    is compared with drafted token i+1; the cache grows by d+1 (see :func:`crop_cache`)."""
-    ids = torch.cat([last_token, draft_tokens], dim=1)
-    logits, aux = target_forward(target, capture, cache, ids)
-    return logits.argmax(-1), aux
+    return _run(target, capture, input_ids=input_ids, use_cache=True, logits_to_keep=logits_to_keep,
+                **{_cache_kwarg(target): cache})
 
 
 def crop_cache(cache: DynamicCache, length: int) -> None:
@@ -65,7 +51,7 @@ def crop_cache(cache: DynamicCache, length: int) -> None:
         cache.crop(-excess)  # a negative count removes that many (the only form transformers 5 accepts)
 
 
-def verify_tree(target, capture: LayerCapture, cache: DynamicCache, tokens: torch.Tensor, depths: torch.Tensor,
+def verify_tree(target, capture: LayerCapture | None, cache: DynamicCache, tokens: torch.Tensor, depths: torch.Tensor,
                 mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """ONE target forward over a token tree appended after ``cache``.
 
@@ -74,10 +60,8 @@ def verify_tree(target, capture: LayerCapture, cache: DynamicCache, tokens: torc
     each node is scored after the path to it. The cache grows by N in node order (see
     :func:`keep_cache_positions`)."""
     past = cache.get_seq_length()
-    with capture:
-        out = target(input_ids=tokens, position_ids=past + depths, attention_mask=mask, use_cache=True,
-                     **{_cache_kwarg(target): cache})
-    return out.logits, capture.aux()
+    return _run(target, capture, input_ids=tokens, position_ids=past + depths, attention_mask=mask, use_cache=True,
+                **{_cache_kwarg(target): cache})
 
 
 def keep_cache_positions(cache: DynamicCache, past: int, kept: list[int]) -> None:

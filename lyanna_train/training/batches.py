@@ -15,7 +15,7 @@ import torch
 from safetensors import safe_open
 
 from ..data.batching import length_grouped_batches
-from ..data.feature_cache import FeatureCache, shard_path
+from ..data.feature_cache import FEATURE_KEYS, FeatureCache, shard_path
 
 
 @dataclass(frozen=True)
@@ -86,7 +86,7 @@ class CachedBatches:
         t = self._tensors
         spans = [(int(t["offsets"][j]), int(t["offsets"][j + 1])) for j in ref.rows]
         width = max(b - a for a, b in spans)
-        batch = {key: pad_rows([t[key][a:b] for a, b in spans], width) for key in ("aux", "last", "loss_mask")}
+        batch = {key: pad_rows([t[key][a:b] for a, b in spans], width) for key in FEATURE_KEYS if key in t}
         batch["input_ids"] = pad_rows([t["input_ids"][a:b].long() for a, b in spans], width)
         batch["valid"] = pad_rows([torch.ones(b - a, dtype=torch.bool) for a, b in spans], width)
         return batch

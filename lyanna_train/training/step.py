@@ -10,24 +10,24 @@ from __future__ import annotations
 
 import torch
 
-from ..losses.kd import hidden_regression, kl_to_teacher, teacher_targets
+from ..data.features import teacher_summary
+from ..losses.kd import hidden_regression, hot_mask, kl_to_teacher, teacher_from_summary
 
 
 def teacher_logprobs(last: torch.Tensor, lm_weight: torch.Tensor, hot_ids: torch.Tensor, mode: str,
-                     chunk: int = 2048) -> tuple[torch.Tensor, torch.Tensor]:
+                     top1: torch.Tensor | None = None, lse: torch.Tensor | None = None):
     """last [B, T, Ht] -> (teacher log-probs over the draft's outputs [B, T, K], usable [B, T]).
 
-    Full-vocabulary logits are formed in chunks of positions (the top-1 and the outside
-    mass need them) and never kept whole."""
+    ``top1`` / ``lse`` [B, T]: the full-vocabulary summary from the feature cache; without
+    it (online features, older caches) it is computed here, from the full LM head."""
     b, t, h = last.shape
-    flat = last.reshape(-1, h)
-    logps, usable = [], []
-    for i in range(0, len(flat), chunk):
-        logits = flat[i:i + chunk].float() @ lm_weight.float().T
-        lp, ok, _ = teacher_targets(logits, hot_ids, mode)
-        logps.append(lp)
-        usable.append(ok)
-    return torch.cat(logps).view(b, t, -1), torch.cat(usable).view(b, t)
+    flat = last.reshape(-1, h).float()
+    if top1 is None or lse is None:
+        top1, lse = teacher_summary(flat, lm_weight)
+    hot_logits = flat @ lm_weight[hot_ids].float().T
+    top1_hot = hot_mask(hot_ids, lm_weight.shape[0])[top1.reshape(-1).long()]
+    logp, usable = teacher_from_summary(hot_logits, top1_hot, lse.reshape(-1), mode)
+    return logp.view(b, t, -1), usable.view(b, t)
 
 
 def distill_loss(draft, batch: dict, lm_weight: torch.Tensor, loss_cfg) -> tuple[torch.Tensor, dict]:
@@ -39,7 +39,8 @@ def distill_loss(draft, batch: dict, lm_weight: torch.Tensor, loss_cfg) -> tuple
     steps = min(loss_cfg.ttt_steps, max(t - 2, 1))
     outs = draft.forward_unrolled(aux, ids, steps, valid)
     with torch.no_grad():
-        teacher, usable = teacher_logprobs(last[:, 1:], lm_weight, draft.hot_ids, loss_cfg.out_of_vocab)
+        summary = [batch[k][:, 1:] if k in batch else None for k in ("teacher_top1", "teacher_lse")]
+        teacher, usable = teacher_logprobs(last[:, 1:], lm_weight, draft.hot_ids, loss_cfg.out_of_vocab, *summary)
     total = aux.new_zeros(())
     metrics: dict = {}
     for j, out in enumerate(outs):

@@ -53,3 +53,22 @@ def test_hidden_regression_is_scale_free():
     x = torch.randn(4, 16)
     assert hidden_regression(x, 4400 * x).abs().max() < 1e-6
     assert (hidden_regression(x, torch.randn(4, 16)) > 0).all()
+
+
+@pytest.mark.parametrize("mode", ["mask", "other"])
+def test_teacher_from_the_cached_summary_equals_the_plain_definition(mode):
+    """Training reads the full-vocabulary top-1 and logsumexp from the feature cache and
+    forms only the hot logits: the teacher must be the one full logits give."""
+    from lyanna_train.data.features import teacher_summary
+    from lyanna_train.training.step import teacher_logprobs
+
+    torch.manual_seed(0)
+    last, weight = torch.randn(2, 7, 16), torch.randn(50, 16)
+    hot = torch.randperm(50)[:12]
+    full, usable_full, _ = teacher_targets((last @ weight.T).reshape(-1, 50), hot, mode)
+    top1, lse = teacher_summary(last.reshape(-1, 16), weight, chunk=5)
+    for summary in ((top1.view(2, 7), lse.view(2, 7)), (None, None)):
+        got, usable = teacher_logprobs(last, weight, hot, mode, *summary)
+        torch.testing.assert_close(got.reshape(14, -1), full, atol=1e-5, rtol=1e-5)
+        assert torch.equal(usable.reshape(-1), usable_full)
+    assert not usable_full.all() or mode == "other"  # some top-1 fall outside the hot ids

@@ -53,17 +53,25 @@ def greedy_reference(target, prompt: list[int], max_new_tokens: int, eos=None) -
     return out[0, len(prompt):].tolist()
 
 
-def oracle_chain(full: list[int], good=None):
-    """A stand-in for ``draft_chain`` that drafts the true continuation ``full`` (prompt +
-    greedy tokens): all of it, or only ``good(i)`` tokens at iteration i, then wrong ones."""
+def oracle_tree(full: list[int], good=None, decoys: int = 0):
+    """A stand-in for ``draft_tree`` that drafts the true continuation ``full`` (prompt +
+    greedy tokens) as a chain of ``shape.depth``: all of it right, or only ``good(i)``
+    tokens at iteration i, then wrong ones. With ``decoys``, every chain node gets that
+    many wrong siblings inserted before it, so the accepted path is not a prefix of the
+    node order and the caches must be gathered, not just cropped."""
     calls = []
 
-    def chain(draft, state, depth):
+    def draft_tree(draft, state, tree, shape):
         n = state.anchor_pos + 2  # tokens accepted so far: the draft guesses x_n onwards
-        right = depth if good is None else min(good(len(calls)), depth)
-        tokens = [full[n + j] if j < right else (full[n + j] + 1) % V for j in range(depth)]
+        right = shape.depth if good is None else min(good(len(calls)), shape.depth)
+        parent = 0
+        for j in range(shape.depth):
+            token = full[n + j] if j < right else (full[n + j] + 1) % V
+            for k in range(1, decoys + 1):
+                tree.add(parent, (token + 7 * k) % V)
+            parent = tree.add(parent, token)
         calls.append(n)
-        return torch.tensor([tokens], dtype=torch.long), None
+        return []
 
-    chain.calls = calls
-    return chain
+    draft_tree.calls = calls
+    return draft_tree

@@ -6,10 +6,10 @@ import math
 
 import pytest
 
-from lyanna_train.runtime import chain
+from lyanna_train.runtime import decode
 from lyanna_train.runtime.eval import mean_acceptance
 
-from .conftest import LAYER_IDS, greedy_reference, make_draft, oracle_chain
+from .conftest import LAYER_IDS, greedy_reference, make_draft, oracle_tree
 
 PROMPTS = [[1, 5, 9, 200, 31], [1, 77, 78]]
 
@@ -32,14 +32,14 @@ def test_oracle_draft_is_accepted_at_every_depth(tiny_target, monkeypatch):
     depth, new = 3, 13
     fulls = {tuple(p): p + greedy_reference(tiny_target, p, new + depth + 1) for p in PROMPTS}
     current = {}  # the oracle of the prompt being decoded
-    real_generate = chain.generate
+    real_generate = decode.generate
 
     def generate(target, draft, prompt, *args, **kwargs):
-        current["oracle"] = oracle_chain(fulls[tuple(prompt)])
+        current["oracle"] = oracle_tree(fulls[tuple(prompt)])
         return real_generate(target, draft, prompt, *args, **kwargs)
 
-    monkeypatch.setattr(chain, "draft_chain", lambda draft, state, d: current["oracle"](draft, state, d))
-    monkeypatch.setattr(chain, "generate", generate)
+    monkeypatch.setattr(decode, "draft_tree", lambda *args: current["oracle"](*args))
+    monkeypatch.setattr(decode, "generate", generate)
     stats = mean_acceptance(tiny_target, make_draft(tiny_target, False), PROMPTS, depth, new, layer_ids=LAYER_IDS)
     iterations = math.ceil((new - 1) / (depth + 1))  # 3 per prompt
     assert stats["accept_rate"] == [1.0] * depth and stats["mean_tau_verify"] == depth + 1

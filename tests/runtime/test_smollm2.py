@@ -1,4 +1,4 @@
-"""Lossless chain decoding on the embedded SmolLM2 with a random draft head."""
+"""Lossless speculative decoding on the embedded SmolLM2 with a random draft head."""
 
 from __future__ import annotations
 
@@ -7,7 +7,8 @@ import torch
 
 from lyanna_train.models.config import DraftConfig
 from lyanna_train.models.draft_head import DraftHead
-from lyanna_train.runtime.chain import generate
+from lyanna_train.runtime.decode import DecodeSettings, LookupSettings, generate
+from lyanna_train.runtime.draft_tree import TreeShape
 
 
 @pytest.mark.slow
@@ -22,6 +23,7 @@ def test_lossless_on_smollm2(smollm2_tokenizer):
         prompt = smollm2_tokenizer(text)["input_ids"]
         with torch.inference_mode():
             ref = target.generate(torch.tensor([prompt]), max_new_tokens=16, do_sample=False)[0, len(prompt):].tolist()
-        out = generate(target, draft, prompt, 16, depth=4)  # EOS from the target's generation_config, as generate
-        assert out.tokens == ref
-        assert out.target_forwards == 1 + len(out.accept_lengths)
+        for settings in (DecodeSettings(TreeShape(4, 1, 1, 4)), DecodeSettings(TreeShape(3, 3, 3, 8), LookupSettings(5))):
+            out = generate(target, draft, prompt, 16, settings)  # EOS from the target's generation_config, as generate
+            assert out.tokens == ref
+            assert out.target_forwards == 1 + len(out.accept_lengths)

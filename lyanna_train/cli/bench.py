@@ -1,0 +1,160 @@
+"""``lyanna-bench``: speed of the target alone, transformers' prompt lookup and Lyanna, side by side.
+
+    lyanna-bench --draft exports/smollm2-lyanna --num-prompts 8 --max-new-tokens 128
+    lyanna-bench --draft exports/smollm2-lyanna --prompts humaneval --turns 1 --methods target,pld,lyanna,lookup
+    lyanna-bench --draft exports/smollm2-lyanna --decode chain --set tree.depth=6 --out checkpoints/bench-chain6
+
+Writes OUT/<method>.jsonl (Spec-Bench layout), summary.json, summary.md and bench.png; prints
+the table and the lossless verdict (exit status 1 when a greedy method differs from the target).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from .common import entry_point
+from .generate import add_model_args, load_models
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="lyanna-bench", description="Measure decoding methods on the same prompts, "
+                                "back to back in one process, and check that greedy output is lossless.")
+    add_model_args(p)
+    p.add_argument("--prompts", default="mtbench", help="mtbench, humaneval (embedded) or a JSONL file")
+    p.add_argument("--num-prompts", type=int, default=0, help="first N questions (default: all)")
+    p.add_argument("--turns", type=int, choices=(1, 2), default=2, help="turns per question (default 2)")
+    p.add_argument("--max-new-tokens", type=int, default=128, help="per turn (default 128)")
+    p.add_argument("--methods", default="target,pld,lyanna", help="comma-separated: target, pld, lyanna, lookup")
+    p.add_argument("--pld-tokens", type=int, default=10, help="prompt_lookup_num_tokens for pld (default 10)")
+    p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=True,
+                   help="render prompts with the tokenizer's chat template (default on)")
+    p.add_argument("--out", help="output directory (default checkpoints/bench-<draft>-<prompts>); replaced at the end")
+    return p
+
+
+def markdown_table(summary: dict, lossless: dict, depths: int = 3) -> str:
+    """One row per method: tokens/s, speedup, τ, tree size, acceptance at depths 1..``depths``, identical prompts."""
+    head = ["method", "new tokens", "tok/s", "speedup", "τ", "tree size"] + \
+        [f"accept ≥{k}" for k in range(1, depths + 1)] + ["identical"]
+    rows = ["| " + " | ".join(head) + " |", "|---|" + "---:|" * (len(head) - 1)]
+    n = lossless.get("prompts")
+    for method, s in summary.items():
+        check = lossless.get("methods", {}).get(method)
+        identical = "reference" if lossless.get("checked") and method == "target" else \
+            f"{n - check['mismatches']}/{n}" if check else "–"
+        speedup = f"{s['speedup']:.2f}×" if s["speedup"] is not None else "–"
+        rates = [f"{r:.3f}" for r in s["accept_rate"][:depths]] if method != "target" else ["–"] * depths
+        rows.append("| " + " | ".join([method, str(s["new_tokens"]), f"{s['tokens_per_s']:.1f}", speedup,
+                                       f"{s['tau']:.2f}", f"{s['mean_tree_size']:.1f}", *rates, identical]) + " |")
+    return "\n".join(rows)
+
+
+def plot(summary: dict, path: Path) -> None:
+    """Speedup bars and acceptance-by-depth curves (matplotlib, Agg)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (bars, curves) = plt.subplots(1, 2, figsize=(10, 4))
+    names = list(summary)
+    drawn = bars.bar(names, [summary[m]["speedup"] or 0.0 for m in names], color="tab:blue")
+    bars.bar_label(drawn, fmt="%.2f×")
+    bars.axhline(1.0, color="grey", linestyle="--", linewidth=1)
+    bars.set_ylabel("speedup vs target (tokens/s ratio)")
+    bars.set_title("speedup")
+    for m in names:
+        if m != "target":
+            rates = summary[m]["accept_rate"]
+            curves.plot(range(1, len(rates) + 1), rates, marker="o", label=m)
+    curves.xaxis.get_major_locator().set_params(integer=True)
+    curves.set_xlabel("drafted tokens accepted ≥ k")
+    curves.set_ylabel("fraction of verify forwards")
+    curves.set_ylim(0, 1)
+    curves.set_title("acceptance by depth")
+    if len(names) > 1:
+        curves.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def _running(records: dict) -> dict:
+    from ..runtime.benchmark import summarize
+
+    return {m: f"{s['speedup']:.2f}x" for m, s in summarize(records).items() if m != "target" and s["speedup"]}
+
+
+def _environment(target) -> dict:
+    import platform
+
+    import torch
+    import transformers
+
+    return {"torch": torch.__version__, "transformers": transformers.__version__, "threads": torch.get_num_threads(),
+            "device": str(target.device), "dtype": str(target.dtype).removeprefix("torch."),
+            "machine": platform.machine(), "python": platform.python_version()}
+
+
+@entry_point("lyanna-bench")
+def main(argv: list[str]) -> int:
+    import dataclasses
+
+    from tqdm import tqdm
+
+    from ..atomic import atomic_directory
+    from ..errors import LyannaError
+    from ..runtime import benchmark as B
+    from .decode_config import load_decode_settings
+
+    args = build_parser().parse_args(argv)
+    names = [m.strip() for m in args.methods.split(",") if m.strip()]
+    if args.max_new_tokens < 1 or args.num_prompts < 0 or args.pld_tokens < 1:
+        raise LyannaError("--max-new-tokens and --pld-tokens must be at least 1, --num-prompts at least 0")
+    if "lyanna" in names and args.draft is None:
+        raise LyannaError("the lyanna method needs --draft EXPORT_DIR")
+    B.check_methods(names)  # before anything loads
+    settings = load_decode_settings(args.decode, args.overrides)
+    questions = B.read_questions(args.prompts, args.num_prompts or None)
+    out = Path(args.out or f"checkpoints/bench-{Path(args.draft or args.target).name}-{Path(args.prompts).stem}")
+    target, tokenizer, draft = load_models(args.draft, args.target, "lyanna" in names, args.threads)
+    methods = B.make_methods(names, target, draft, settings, args.pld_tokens)
+
+    warm = B.Question("warm-up", "", questions[0].turns[:1])
+    B.run_question(warm, methods, tokenizer, min(args.max_new_tokens, 16), 1, args.chat)  # not counted
+    records: dict[str, list] = {m: [] for m in names}
+    bar = tqdm(questions, desc="bench", unit="question")
+    for i, q in enumerate(bar):
+        for m, rec in B.run_question(q, methods, tokenizer, args.max_new_tokens, args.turns, args.chat, i).items():
+            records[m].append(rec)
+        bar.set_postfix(_running(records))
+    bar.close()
+
+    summary = B.summarize(records, depth=max(settings.tree.depth, 1))
+    lossless = B.lossless_report(records) if settings.sampling.greedy else \
+        {"checked": False, "reason": "sampling: outputs differ by design", "methods": {}}
+    table = markdown_table(summary, lossless)
+    verdict = B.lossless_lines(lossless)
+    meta = {"draft": args.draft, "target": args.target, "prompts": args.prompts, "questions": len(questions),
+            "turns": args.turns, "max_new_tokens": args.max_new_tokens, "methods": names,
+            "pld_tokens": args.pld_tokens, "decode": {"preset": args.decode, "overrides": args.overrides,
+                                                      **dataclasses.asdict(settings)},
+            "chat": args.chat, "environment": _environment(target)}
+    with atomic_directory(out, overwrite=True) as tmp:
+        B.write_records(tmp, records)
+        (tmp / "summary.json").write_text(json.dumps({**meta, "lossless": lossless, "methods": summary}, indent=2)
+                                          + "\n", encoding="utf-8")
+        (tmp / "summary.md").write_text(
+            f"# lyanna-bench: {args.prompts}, {len(questions)} questions × {args.turns} turn(s), "
+            f"{args.max_new_tokens} new tokens\n\n{table}\n\n" + "\n".join(verdict) + "\n", encoding="utf-8")
+        plot(summary, tmp / "bench.png")
+    print(table)
+    print("\n".join(verdict))
+    print(f"wrote {out}")
+    return 1 if lossless["checked"] and not lossless["identical"] else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,176 @@
+"""``lyanna-generate``: speculative decoding with an exported draft, streamed as it is accepted.
+
+    lyanna-generate --draft exports/smollm2-lyanna "Write a haiku about tea."
+    lyanna-generate --draft exports/smollm2-lyanna --decode chain --set tree.depth=6 --file prompts.jsonl
+    echo "def fib(n):" | lyanna-generate --draft exports/smollm2-lyanna --no-chat --show-acceptance
+
+The text goes to stdout; each prompt's summary (tokens/s, τ, acceptance histogram) to stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections import Counter
+
+from transformers import TextStreamer
+
+from .common import entry_point
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    """The flags lyanna-generate and lyanna-bench share: draft, target, decoding settings."""
+    p.add_argument("--draft", metavar="EXPORT_DIR", help="exported draft directory (lyanna-export)")
+    p.add_argument("--target", metavar="SPEC", help="target model: embedded name, directory or GGUF file "
+                   "(default: the one the draft's manifest names)")
+    p.add_argument("--decode", default="default", metavar="PRESET",
+                   help="decoding settings: conf/decode/<PRESET>.yaml (default, chain, lookup_only) or a YAML file")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override one decoding setting, e.g. tree.depth=6 or sampling.temperature=0.7 (repeatable)")
+    p.add_argument("--threads", type=int, metavar="N", help="torch CPU threads (default: torch's choice); a busy "
+                   "machine is faster with fewer threads than cores")
+
+
+def load_models(draft_dir: str | None, target_spec: str | None, need_draft: bool = True, threads: int | None = None):
+    """(target, tokenizer, draft or None): the target is the one the draft was exported for
+    unless ``target_spec`` says otherwise (the loader then checks its fingerprint)."""
+    import torch
+    from transformers.utils import logging as hf_logging
+
+    from ..errors import LyannaError
+    from ..export.loader import load_exported, read_manifest
+    from ..target.loading import load_tokenizer
+    from ..target.model import load_target_model
+
+    if threads is not None:
+        if threads < 1:
+            raise LyannaError("--threads must be at least 1")
+        torch.set_num_threads(threads)
+    if draft_dir is None and target_spec is None:
+        raise LyannaError("give --draft EXPORT_DIR (or --target SPEC to decode with prompt lookup only)")
+    manifest = read_manifest(draft_dir) if draft_dir is not None else {}
+    spec = target_spec or (manifest.get("target") or {}).get("name")
+    if not spec:
+        raise LyannaError(f"{draft_dir}/manifest.json does not name its target: pass --target")
+    hf_logging.disable_progress_bar()  # "Loading weights" would interleave with the generated text
+    try:
+        tokenizer, target = load_tokenizer(spec), load_target_model(spec)
+    finally:
+        hf_logging.enable_progress_bar()
+    draft = load_exported(draft_dir, target, tokenizer)[0] if draft_dir is not None and need_draft else None
+    return target, tokenizer, draft
+
+
+class RunStreamer(TextStreamer):
+    """transformers' TextStreamer (word-buffered, safe on multi-byte pieces) writing to ``out``.
+
+    With ``mark`` ("colour" or "brackets") each iteration's accepted run is printed as soon
+    as it decodes, wrapped in alternating ANSI colours or in brackets; only a trailing
+    incomplete character (U+FFFD) waits for the next run."""
+
+    COLOURS = ("\x1b[36m", "\x1b[33m")
+    RESET = "\x1b[0m"
+
+    def __init__(self, tokenizer, out, mark: str | None = None):
+        super().__init__(tokenizer, skip_prompt=False, skip_special_tokens=True)
+        self.out, self.mark, self.runs = out, mark, 0
+
+    def put_tokens(self, tokens: list[int]) -> None:
+        import torch
+
+        if self.mark is None:
+            self.put(torch.tensor(tokens))
+            return
+        self.token_cache.extend(tokens)
+        text = self.tokenizer.decode(self.token_cache, **self.decode_kwargs)
+        printable = text[self.print_len:].rstrip("\ufffd")
+        self.print_len += len(printable)
+        if text.endswith("\n") and len(text) == self.print_len:  # as TextStreamer: keep one token of context
+            self.token_cache = self.token_cache[-1:]
+            self.print_len = len(self.tokenizer.decode(self.token_cache, **self.decode_kwargs))
+        if printable:
+            colour = self.COLOURS[self.runs % 2]
+            self.runs += 1
+            self.on_finalized_text(f"{colour}{printable}{self.RESET}" if self.mark == "colour" else f"[{printable}]")
+
+    def on_finalized_text(self, text: str, stream_end: bool = False) -> None:
+        self.out.write(text + ("\n" if stream_end else ""))
+        self.out.flush()
+
+
+def summary_line(result) -> str:
+    """New tokens, tok/s, τ and the histogram of drafted tokens accepted per verify."""
+    n, wall = len(result.tokens), result.wall_time
+    hist = Counter(t - 1 for t in result.accept_lengths)
+    accepted = " ".join(f"{k}:{hist[k]}" for k in sorted(hist)) or "-"
+    return (f"{n} new tokens in {wall:.2f} s = {n / wall if wall else 0:.1f} tok/s | τ {result.mean_acceptance:.2f} "
+            f"({result.target_forwards} target forwards) | accepted per verify (drafted:count) {accepted}")
+
+
+def read_prompts(args) -> list:
+    from ..errors import LyannaError
+    from ..runtime.benchmark import Question, read_questions
+
+    if args.prompt and args.file:
+        raise LyannaError("give prompts as arguments or with --file, not both")
+    if args.file:
+        return read_questions(args.file)
+    if args.prompt:
+        return [Question(i + 1, "cli", (p,)) for i, p in enumerate(args.prompt)]
+    if sys.stdin.isatty():
+        raise LyannaError("no prompt: give PROMPT..., --file FILE, or pipe text on stdin")
+    text = sys.stdin.read().strip()
+    if not text:
+        raise LyannaError("the prompt read from stdin is empty")
+    return [Question(1, "stdin", (text,))]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="lyanna-generate", description="Generate with the target model, "
+                                "speculatively decoded with an exported Lyanna draft head (greedy output is "
+                                "token for token the target's own).")
+    p.add_argument("prompt", nargs="*", metavar="PROMPT", help="prompt text(s); none: --file or stdin")
+    p.add_argument("--file", help="prompts: JSONL (turns / prompt / text / instruction) or .txt (blank-line-separated)")
+    add_model_args(p)
+    p.add_argument("--max-new-tokens", type=int, default=256, help="per turn (default 256)")
+    p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=True,
+                   help="render prompts with the tokenizer's chat template (default on)")
+    p.add_argument("--show-acceptance", action="store_true",
+                   help="mark each verify step's accepted run (colours on a terminal, [brackets] otherwise)")
+    return p
+
+
+@entry_point("lyanna-generate")
+def main(argv: list[str]) -> int:
+    from ..errors import LyannaError
+    from ..runtime.benchmark import render_prompt
+    from ..runtime.decode import generate
+    from .decode_config import load_decode_settings
+
+    args = build_parser().parse_args(argv)
+    if args.max_new_tokens < 1:
+        raise LyannaError("--max-new-tokens must be at least 1")
+    settings = load_decode_settings(args.decode, args.overrides)
+    questions = read_prompts(args)
+    target, tokenizer, draft = load_models(args.draft, args.target, settings.tree.depth > 0, args.threads)
+    mark = ("colour" if sys.stdout.isatty() else "brackets") if args.show_acceptance else None
+    total = sum(len(q.turns) for q in questions)
+    done = 0
+    for q in questions:
+        messages: list[dict] = []
+        for turn in q.turns:
+            done += 1
+            if total > 1:
+                print(f">>> [{done}/{total}] {turn.splitlines()[0][:70]}", file=sys.stderr)
+            messages.append({"role": "user", "content": turn})
+            streamer = RunStreamer(tokenizer, sys.stdout, mark)
+            result = generate(target, draft, render_prompt(tokenizer, messages, args.chat), args.max_new_tokens,
+                              settings, on_tokens=streamer.put_tokens)
+            streamer.end()
+            messages.append({"role": "assistant", "content": tokenizer.decode(result.tokens, skip_special_tokens=True)})
+            print(summary_line(result), file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,284 @@
+"""Speed and losslessness of decoding methods, measured side by side on the same prompts.
+
+Every prompt is decoded by every method back to back, in one process with the same
+torch threads (the order rotates from prompt to prompt), so machine noise hits all
+methods alike; speedups are ratios of tokens/s measured in the same run. Results are
+kept in Spec-Bench's layout (one record per question and method, lists over turns),
+plus the token ids, so losslessness can be re-checked from the files alone.
+
+Methods: ``target`` (``target.generate``, plain decoding), ``pld`` (transformers'
+prompt-lookup decoding), ``lyanna`` (our runtime with the exported draft) and
+``lookup`` (our runtime, prompt lookup only).
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import time
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from ..errors import LyannaError
+from . import decode
+from .decode import DecodeSettings, LookupSettings
+from .draft_tree import TreeShape
+
+METHODS = ("target", "pld", "lyanna", "lookup")
+EMBEDDED_PROMPTS = ("mtbench", "humaneval")
+_TEXT_KEYS = ("prompt", "text", "instruction")
+
+
+@dataclass(frozen=True)
+class Question:
+    question_id: int | str
+    category: str
+    turns: tuple[str, ...]  # user turns; turn t is asked after the answers to turns < t
+
+
+def _question(rec, path: Path, lineno: int) -> Question:
+    turns = rec.get("turns") if isinstance(rec, dict) else None
+    if turns is None and isinstance(rec, dict):
+        turns = next(([rec[k]] for k in _TEXT_KEYS if isinstance(rec.get(k), str)), None)
+    if not turns or not isinstance(turns, list) or not all(isinstance(t, str) and t.strip() for t in turns):
+        raise LyannaError(f'{path}:{lineno}: expected an object with "turns" (non-empty strings) '
+                          f'or a "prompt"/"text"/"instruction" string')
+    qid = rec.get("question_id", rec.get("task_id", lineno))
+    return Question(qid, str(rec.get("category") or path.name.split(".")[0]), tuple(turns))
+
+
+def read_questions(source: str, limit: int | None = None) -> list[Question]:
+    """Questions from ``mtbench``/``humaneval`` (embedded), a JSONL(.gz) file, or a .txt file
+    (one single-turn prompt per blank-line-separated block). A malformed line stops with file:line."""
+    from ..embedded import EMBEDDED_CORPORA
+
+    path = EMBEDDED_CORPORA[source].path() if source in EMBEDDED_PROMPTS and not Path(source).exists() \
+        else Path(source)
+    if not path.is_file():
+        raise LyannaError(f"prompt file not found: {source} (or use {', '.join(EMBEDDED_PROMPTS)})")
+    opener = gzip.open if path.suffix == ".gz" else open
+    try:
+        with opener(path, "rt", encoding="utf-8") as f:
+            text = f.read()
+    except (OSError, UnicodeDecodeError) as err:
+        raise LyannaError(f"cannot read {path}: {err}") from None
+    if path.suffix == ".txt":
+        blocks = [b.strip() for b in text.split("\n\n") if b.strip()]
+        questions = [Question(i + 1, path.stem, (b,)) for i, b in enumerate(blocks)]
+    else:
+        questions = []
+        for lineno, line in enumerate(text.splitlines(), 1):
+            if line.strip():
+                try:
+                    rec = json.loads(line)
+                except json.JSONDecodeError as err:
+                    raise LyannaError(f"{path}:{lineno}: not valid JSON ({err.msg})") from None
+                questions.append(_question(rec, path, lineno))
+    if not questions:
+        raise LyannaError(f"{path} holds no prompts")
+    return questions[:limit] if limit else questions
+
+
+def render_prompt(tokenizer, messages: list[dict], chat: bool = True) -> list[int]:
+    """Prompt ids: the tokenizer's chat template with the generation prompt, or (``chat`` False
+    or no template) the contents joined by blank lines, tokenized as plain text."""
+    if chat and getattr(tokenizer, "chat_template", None):
+        return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                  return_dict=False))
+    return tokenizer("\n\n".join(m["content"] for m in messages))["input_ids"]
+
+
+@dataclass
+class Run:
+    """One method on one prompt."""
+
+    tokens: list[int]  # new tokens, cut after the first EOS
+    wall_time: float  # seconds, prefill included
+    target_forwards: int
+    accept_lengths: list[int] = field(default_factory=list)  # tokens per forward after the prefill
+    tree_sizes: list[int] = field(default_factory=list)  # tokens verified per forward after the prefill
+
+
+Method = Callable[[list[int], int], Run]  # (prompt ids, max_new_tokens) -> Run
+
+
+class _Recorder:
+    """A transformers streamer (put/end) and forward pre-hook that see each target forward."""
+
+    def __init__(self):
+        self.puts: list[int] = []  # tokens accepted per forward; the first put is the prompt
+        self.inputs: list[int] = []  # tokens fed per forward
+
+    def put(self, value):
+        self.puts.append(int(value.shape[-1]))
+
+    def end(self):
+        pass
+
+    def hook(self, module, args, kwargs):
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        self.inputs.append(int(ids.shape[-1]) if ids is not None else 0)
+
+
+def hf_method(target, settings: DecodeSettings, prompt_lookup_tokens: int | None = None) -> Method:
+    """``target.generate`` (greedy, or sampling as ``settings.sampling``), with transformers'
+    prompt lookup when ``prompt_lookup_tokens`` is given."""
+    eos = decode._eos_ids(target, None)  # noqa: SLF001 - the very set our runtime stops at
+    pad = getattr(target.generation_config, "pad_token_id", None)
+    params = settings.sampling
+    extra = {"do_sample": False} if params.greedy else {
+        "do_sample": True, "temperature": params.temperature, "top_k": params.top_k, "top_p": params.top_p}
+    if prompt_lookup_tokens:
+        extra["prompt_lookup_num_tokens"] = prompt_lookup_tokens
+
+    def run(prompt: list[int], max_new_tokens: int) -> Run:
+        ids = torch.tensor([prompt], device=target.device)
+        recorder = _Recorder()
+        handle = target.register_forward_pre_hook(recorder.hook, with_kwargs=True)
+        torch.manual_seed(settings.seed)
+        try:
+            begin = time.perf_counter()
+            with torch.inference_mode():
+                out = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                                      pad_token_id=pad if pad is not None else min(eos, default=0),
+                                      streamer=recorder, **extra)
+            wall = time.perf_counter() - begin
+        finally:
+            handle.remove()
+        tokens, _ = decode._finish(out[0, len(prompt):].tolist(), eos, max_new_tokens)  # noqa: SLF001
+        return Run(tokens, wall, len(recorder.puts) - 1, recorder.puts[2:], recorder.inputs[1:])
+
+    return run
+
+
+def runtime_method(target, draft, settings: DecodeSettings) -> Method:
+    def run(prompt: list[int], max_new_tokens: int) -> Run:
+        result = decode.generate(target, draft, prompt, max_new_tokens, settings)
+        return Run(result.tokens, result.wall_time, result.target_forwards, result.accept_lengths, result.tree_sizes)
+
+    return run
+
+
+def check_methods(names) -> None:
+    unknown = [n for n in names if n not in METHODS]
+    if unknown or not names or len(set(names)) != len(names):
+        raise LyannaError(f"bad methods {list(names)} (choose some of {', '.join(METHODS)}, each once)")
+
+
+def make_methods(names, target, draft, settings: DecodeSettings, pld_tokens: int = 10) -> dict[str, Method]:
+    """The named methods; ``lookup`` reuses the settings' lookup (or ``pld_tokens`` when it is off)."""
+    check_methods(names)
+    lookup = settings.lookup if settings.lookup.max_tokens else LookupSettings(max_tokens=pld_tokens)
+    make = {
+        "target": lambda: hf_method(target, settings),
+        "pld": lambda: hf_method(target, settings, prompt_lookup_tokens=pld_tokens),
+        "lyanna": lambda: runtime_method(target, draft, settings),
+        "lookup": lambda: runtime_method(target, None, replace(settings, tree=TreeShape(depth=0, max_nodes=0),
+                                                               lookup=lookup)),
+    }
+    return {name: make[name]() for name in names}
+
+
+def run_question(question: Question, methods: dict[str, Method], tokenizer, max_new_tokens: int,
+                 turns: int = 2, chat: bool = True, rotate: int = 0) -> dict[str, dict]:
+    """Every method on every turn (at most ``turns``) -> {method: Spec-Bench record}. Later turns
+    follow the reference answer (``target``'s if it runs, else the first method's), so every
+    method sees the same conversation. ``rotate`` shifts the method order."""
+    names = list(methods)
+    order = names[rotate % len(names):] + names[:rotate % len(names)]
+    per_turn = ("turns", "new_tokens", "wall_time", "decoding_steps", "token_ids")
+    records = {name: {"question_id": question.question_id, "category": question.category, "model_id": name,
+                      "choices": [{"index": 0, **{k: [] for k in per_turn}, "accept_lengths": [], "tree_sizes": []}]}
+               for name in names}
+    messages: list[dict] = []
+    for text in question.turns[:turns]:
+        messages.append({"role": "user", "content": text})
+        prompt = render_prompt(tokenizer, messages, chat)
+        answers = {}
+        for name in order:
+            run = methods[name](prompt, max_new_tokens)
+            answers[name] = tokenizer.decode(run.tokens, skip_special_tokens=True)
+            c = records[name]["choices"][0]
+            for key, value in zip(per_turn, (answers[name], len(run.tokens), run.wall_time, run.target_forwards,
+                                             run.tokens)):
+                c[key].append(value)
+            c["accept_lengths"] += run.accept_lengths
+            c["tree_sizes"] += run.tree_sizes
+        messages.append({"role": "assistant", "content": answers["target" if "target" in answers else names[0]]})
+    return records
+
+
+def summarize(records: dict[str, list[dict]], reference: str = "target", depth: int = 5) -> dict:
+    """Per method: tokens/s, speedup (ratio of tokens/s to ``reference``'s), τ (new tokens /
+    target forwards), mean τ per verify, acceptance rate per depth k = 1..K (fraction of
+    verify forwards accepting ≥ k drafted tokens; K ≥ ``depth``), mean tree size."""
+    choices = {m: [r["choices"][0] for r in recs] for m, recs in records.items()}
+    flat = {m: {k: [x for c in cs for x in c[k]]
+                for k in ("new_tokens", "wall_time", "decoding_steps", "accept_lengths", "tree_sizes")}
+            for m, cs in choices.items()}
+    most = max([depth] + [max(f["accept_lengths"], default=1) - 1 for f in flat.values()])
+    out = {}
+    for m, f in flat.items():
+        tokens, wall, forwards, taus = sum(f["new_tokens"]), sum(f["wall_time"]), sum(f["decoding_steps"]), \
+            f["accept_lengths"]
+        out[m] = {"prompts": len(f["new_tokens"]), "new_tokens": tokens, "wall_time": wall,
+                  "tokens_per_s": tokens / wall if wall else 0.0, "target_forwards": forwards,
+                  "tau": tokens / max(forwards, 1), "mean_accept_length": sum(taus) / max(len(taus), 1),
+                  "accept_rate": [sum(t - 1 >= k for t in taus) / max(len(taus), 1) for k in range(1, most + 1)],
+                  "mean_tree_size": sum(f["tree_sizes"]) / max(len(f["tree_sizes"]), 1)}
+    base = out.get(reference, {}).get("tokens_per_s")
+    for m in out:
+        out[m]["speedup"] = out[m]["tokens_per_s"] / base if base else None
+    return out
+
+
+def lossless_report(records: dict[str, list[dict]], reference: str = "target") -> dict:
+    """Token ids of every method against ``reference``'s, prompt (question × turn) by prompt."""
+    if reference not in records:
+        return {"checked": False, "reason": f"{reference} is not among the methods", "methods": {}}
+    ref = {(r["question_id"], t): ids for r in records[reference] for t, ids in enumerate(r["choices"][0]["token_ids"])}
+    report = {"checked": True, "prompts": len(ref), "methods": {}}
+    for method, recs in records.items():
+        if method == reference:
+            continue
+        bad, first = 0, None
+        for r in recs:
+            for t, ids in enumerate(r["choices"][0]["token_ids"]):
+                want = ref[(r["question_id"], t)]
+                if ids != want:
+                    bad += 1
+                    pos = next((i for i, (a, b) in enumerate(zip(ids, want)) if a != b), min(len(ids), len(want)))
+                    first = first or {"question_id": r["question_id"], "turn": t + 1, "position": pos,
+                                      "lengths": [len(ids), len(want)]}
+        report["methods"][method] = {"mismatches": bad, "first": first}
+    report["identical"] = all(v["mismatches"] == 0 for v in report["methods"].values())
+    return report
+
+
+def lossless_lines(report: dict) -> list[str]:
+    """Human-readable verdict: one line when identical, one per failing method otherwise."""
+    if not report["checked"]:
+        return [f"lossless: not checked ({report['reason']})"]
+    n = report["prompts"]
+    if report["identical"]:
+        return [f"lossless: yes ({n}/{n} prompts identical)"]
+    lines = ["lossless: NO"]
+    for method, v in report["methods"].items():
+        if v["mismatches"]:
+            f = v["first"]
+            lines.append(f"  {method}: {v['mismatches']}/{n} prompts differ from target; first: question "
+                         f"{f['question_id']} turn {f['turn']} at token {f['position']} "
+                         f"(lengths {f['lengths'][0]} vs {f['lengths'][1]})")
+        else:
+            lines.append(f"  {method}: {n}/{n} prompts identical")
+    return lines
+
+
+def write_records(out_dir: Path, records: dict[str, list[dict]]) -> None:
+    """``<method>.jsonl``, one Spec-Bench record per question."""
+    for method, recs in records.items():
+        (out_dir / f"{method}.jsonl").write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in recs),
+                                                 encoding="utf-8")

@@ -1,0 +1,304 @@
+"""lyanna-generate and lyanna-bench on a tiny random Llama with a tiny byte-level tokenizer,
+the decode presets, and the benchmark's records, summary and lossless check."""
+
+from __future__ import annotations
+
+import copy
+import io
+import json
+
+import pytest
+import torch
+
+from lyanna_train.cli.bench import main as bench_main
+from lyanna_train.cli.decode_config import load_decode_settings
+from lyanna_train.cli.generate import RunStreamer, main as generate_main
+from lyanna_train.errors import LyannaError
+from lyanna_train.runtime import benchmark as B
+from lyanna_train.runtime.decode import DecodeSettings, GenerationResult
+
+H = 64
+TEXTS = ["Hello there, how are you today?", "def add(a, b):\n    return a + b\n", "naïve café 🚀 東京 ok",
+         "The quick brown fox jumps over the lazy dog.", "Speculative decoding drafts and verifies tokens."]
+CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+QUESTIONS = [{"question_id": 1, "category": "writing", "turns": ["Write about tea.", "Now shorter."]},
+             {"question_id": 2, "category": "coding", "turns": ["def fib(n):", "Add a docstring."]}]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def single_threaded_module():
+    """Tiny models gain nothing from threads and slow down badly when the other cores are busy;
+    the CLIs run here with --threads 1, which sets the same."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    """A byte-level BPE (multi-byte characters split over tokens) with a ChatML template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(TEXTS * 4, trainers.BpeTrainer(
+        vocab_size=320, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|endoftext|>", eos_token="<|im_end|>",
+                                   pad_token="<|endoftext|>", clean_up_tokenization_spaces=False)
+    fast.chat_template = CHATML
+    return fast
+
+
+@pytest.fixture(scope="module")
+def target(tokenizer):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    # initializer_range 0.2: varied continuations and clear argmax margins (no fp ties).
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=H, intermediate_size=128, num_hidden_layers=4,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                         initializer_range=0.2, bos_token_id=0, eos_token_id=None, pad_token_id=0)
+    return LlamaForCausalLM(config).eval().requires_grad_(False)
+
+
+@pytest.fixture(scope="module")
+def export_dir(tmp_path_factory, target, tokenizer):
+    """The target + tokenizer saved as a local directory, and a random draft exported for it."""
+    from lyanna_train.export.writer import export_checkpoint
+    from lyanna_train.models.config import DraftConfig
+    from lyanna_train.models.draft_head import DraftHead
+    from lyanna_train.training.checkpoint import write_draft_weights
+
+    root = tmp_path_factory.mktemp("generate-bench")
+    target.save_pretrained(root / "target")
+    tokenizer.save_pretrained(root / "target")
+    torch.manual_seed(1)
+    cfg = DraftConfig(target_hidden_size=H, vocab_size=len(tokenizer), draft_vocab_size=48, hidden_size=H,
+                      intermediate_size=96, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                      aux_layer_ids=(0, 1, 2), pool_size=128, pool_threshold=0.0)
+    draft = DraftHead(cfg, torch.randperm(len(tokenizer))[:48], target.model.embed_tokens.weight).eval()
+    ckpt = root / "run" / "checkpoints" / "step-00000001"
+    ckpt.mkdir(parents=True)
+    write_draft_weights(ckpt, draft, {"layer_ids": [0, 1, 2], "target": str(root / "target")})
+    export_checkpoint(root / "run", root / "export", target=target, tokenizer=tokenizer, say=lambda *_: None)
+    return root / "export"
+
+
+@pytest.fixture(scope="module")
+def prompts_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("prompts") / "questions.jsonl"
+    path.write_text("".join(json.dumps(q) + "\n" for q in QUESTIONS), encoding="utf-8")
+    return path
+
+
+@pytest.fixture(scope="module")
+def records(target, tokenizer, export_dir):
+    from lyanna_train.export.loader import load_exported
+
+    draft, _ = load_exported(export_dir, target, tokenizer)
+    methods = B.make_methods(["target", "pld", "lyanna", "lookup"], target, draft, load_decode_settings("default"))
+    out: dict = {m: [] for m in methods}
+    questions = [B.Question(d["question_id"], d["category"], tuple(d["turns"])) for d in QUESTIONS]
+    for i, q in enumerate(questions):
+        for m, rec in B.run_question(q, methods, tokenizer, 12, turns=2, rotate=i).items():
+            out[m].append(rec)
+    return out
+
+
+def test_decode_presets_and_overrides():
+    default = load_decode_settings("default")
+    assert (default.tree.depth, default.tree.branch, default.tree.beam, default.tree.max_nodes) == (5, 4, 4, 16)
+    assert (default.lookup.max_tokens, default.lookup.max_ngram, default.lookup.branches) == (10, 3, 1)
+    assert default.sampling.greedy and default.sampling.top_p == 1.0 and default.seed == 0
+    chain = load_decode_settings("chain")
+    assert (chain.tree.branch, chain.tree.beam, chain.tree.max_nodes, chain.lookup.max_tokens) == (1, 1, 5, 0)
+    lookup = load_decode_settings("lookup_only")
+    assert lookup.tree.depth == 0 and lookup.lookup.max_tokens > 0
+    tuned = load_decode_settings("default", ["tree.depth=6", "sampling.temperature=0.7", "seed=3"])
+    assert isinstance(tuned, DecodeSettings) and tuned.tree.depth == 6 and tuned.sampling.temperature == 0.7
+    assert tuned.seed == 3 and tuned.tree.branch == 4
+    with pytest.raises(LyannaError, match="unknown decode setting 'tree.dept'"):
+        load_decode_settings("default", ["tree.dept=6"])
+    with pytest.raises(LyannaError, match="tree.depth"):
+        load_decode_settings("default", ["tree.depth=many"])
+    with pytest.raises(LyannaError, match="depth >= 0"):
+        load_decode_settings("default", ["tree.depth=-1"])
+    with pytest.raises(LyannaError, match="unknown decode preset 'nope'.*chain, default, lookup_only"):
+        load_decode_settings("nope")
+
+
+def test_read_questions_accepts_every_prompt_form_and_names_a_bad_line(tmp_path):
+    mtbench = B.read_questions("mtbench")
+    assert len(mtbench) == 80 and all(len(q.turns) == 2 for q in mtbench) and mtbench[0].category == "writing"
+    humaneval = B.read_questions("humaneval", limit=3)
+    assert len(humaneval) == 3 and humaneval[0].question_id == "HumanEval/0"
+    path = tmp_path / "mixed.jsonl"
+    path.write_text('{"turns": ["a", "b"]}\n\n{"prompt": "c"}\n{"text": "d", "category": "x"}\n{"instruction": "e"}\n')
+    assert [q.turns for q in B.read_questions(str(path))] == [("a", "b"), ("c",), ("d",), ("e",)]
+    assert B.read_questions(str(path))[2].category == "x"
+    txt = tmp_path / "p.txt"
+    txt.write_text("first\nprompt\n\n\nsecond\n")
+    assert [q.turns for q in B.read_questions(str(txt))] == [("first\nprompt",), ("second",)]
+    for bad in ('{"turns": ["a"]}\n{"prompt": "cut', '{"turns": ["a"]}\n{"answer": "no prompt"}', '{"turns": ["a"]}\n[1, 2]', '{"turns": ["a"]}\n{"turns": [3]}'):
+        path.write_text(bad)
+        with pytest.raises(LyannaError, match=rf"{path}:2: "):
+            B.read_questions(str(path))
+
+
+def test_records_follow_spec_bench_and_summary_has_every_figure(records, tokenizer):
+    assert set(records) == {"target", "pld", "lyanna", "lookup"}
+    for method, recs in records.items():
+        assert [r["question_id"] for r in recs] == [1, 2] and [r["category"] for r in recs] == ["writing", "coding"]
+        for r in recs:
+            c = r["choices"][0]
+            assert r["model_id"] == method and len(c["turns"]) == len(c["new_tokens"]) == len(c["wall_time"]) == 2
+            assert c["new_tokens"] == [len(ids) for ids in c["token_ids"]] == [12, 12]
+            assert c["turns"] == [tokenizer.decode(ids, skip_special_tokens=True) for ids in c["token_ids"]]
+            assert sum(c["decoding_steps"]) == len(c["accept_lengths"]) + 2  # one prefill per turn
+            assert len(c["tree_sizes"]) == len(c["accept_lengths"]) and all(w > 0 for w in c["wall_time"])
+    summary = B.summarize(records)
+    target = summary["target"]
+    assert target["speedup"] == 1.0 and target["tau"] == 1.0 and target["mean_tree_size"] == 1.0
+    lyanna = summary["lyanna"]
+    assert lyanna["prompts"] == 4 and lyanna["new_tokens"] == 48 and lyanna["mean_tree_size"] > 1
+    assert lyanna["tau"] == pytest.approx(48 / lyanna["target_forwards"])
+    assert lyanna["speedup"] == pytest.approx(lyanna["tokens_per_s"] / target["tokens_per_s"])
+    rates = lyanna["accept_rate"]
+    assert len(rates) >= 5 and all(a >= b for a, b in zip(rates, rates[1:])) and 0 <= rates[0] <= 1
+    assert B.lossless_report(records)["identical"]
+    assert B.lossless_lines(B.lossless_report(records)) == ["lossless: yes (4/4 prompts identical)"]
+
+
+def test_lossless_check_detects_a_corrupted_output(records):
+    bad = copy.deepcopy(records)
+    ids = bad["lyanna"][1]["choices"][0]["token_ids"][1]
+    ids[5] = (ids[5] + 1) % 300
+    del bad["pld"][0]["choices"][0]["token_ids"][0][-3:]
+    report = B.lossless_report(bad)
+    assert not report["identical"] and report["methods"]["lookup"]["mismatches"] == 0
+    assert report["methods"]["lyanna"] == {"mismatches": 1, "first": {"question_id": 2, "turn": 2, "position": 5,
+                                                                      "lengths": [12, 12]}}
+    assert report["methods"]["pld"]["first"]["position"] == 9
+    lines = B.lossless_lines(report)
+    assert lines[0] == "lossless: NO" and any("lyanna: 1/4 prompts differ" in x and "token 5" in x for x in lines)
+    assert not B.lossless_report({"lyanna": records["lyanna"]})["checked"]
+
+
+def test_bench_cli_writes_results_and_exit_status(tmp_path, export_dir, prompts_file, capsys, monkeypatch):
+    argv = ["--draft", str(export_dir), "--prompts", str(prompts_file), "--max-new-tokens", "8", "--threads", "1",
+            "--methods", "target,pld,lyanna,lookup", "--out", str(tmp_path / "out")]
+    assert bench_main(argv) == 0
+    out = capsys.readouterr().out
+    assert "| method | new tokens | tok/s | speedup |" in out and "lossless: yes (4/4 prompts identical)" in out
+    files = {p.name for p in (tmp_path / "out").iterdir()}
+    assert files == {"target.jsonl", "pld.jsonl", "lyanna.jsonl", "lookup.jsonl", "summary.json", "summary.md",
+                     "bench.png"}
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert summary["lossless"]["identical"] and summary["methods"]["target"]["speedup"] == 1.0
+    assert summary["decode"]["tree"]["depth"] == 5 and summary["environment"]["threads"] == 1
+    assert len((tmp_path / "out" / "lyanna.jsonl").read_text().splitlines()) == 2
+
+    real = B.runtime_method
+
+    def corrupted(target, draft, settings):  # the lyanna runs emit a wrong first token
+        method = real(target, draft, settings)
+
+        def run(prompt, max_new_tokens):
+            r = method(prompt, max_new_tokens)
+            r.tokens[0] += 1
+            return r
+
+        return run
+
+    monkeypatch.setattr(B, "runtime_method", corrupted)
+    assert bench_main(argv[:-1] + [str(tmp_path / "bad")] + ["--turns", "1", "--methods", "target,lyanna"]) == 1
+    out = capsys.readouterr().out
+    assert "lossless: NO" in out and "lyanna: 2/2 prompts differ from target" in out and "at token 0" in out
+
+
+@pytest.mark.parametrize("cli", [bench_main, generate_main])
+@pytest.mark.parametrize("case", ["missing-draft", "bad-jsonl", "unknown-setting"])
+def test_bad_input_is_one_line_and_exit_2(cli, case, tmp_path, export_dir, capsys):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"turns": ["ok"]}\n{"turns": ["cut\n')
+    prompt_flag = "--prompts" if cli is bench_main else "--file"
+    argv = {"missing-draft": ["--draft", str(tmp_path / "nope"), prompt_flag, str(bad.with_name("x.jsonl"))],
+            "bad-jsonl": ["--draft", str(export_dir), prompt_flag, str(bad)],
+            "unknown-setting": ["--draft", str(export_dir), "--set", "tree.width=3", prompt_flag, str(bad)]}[case]
+    if case == "missing-draft":
+        bad.with_name("x.jsonl").write_text('{"prompt": "hi"}\n')
+    assert cli(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and ": error: " in err[0]
+    assert {"missing-draft": "not found", "bad-jsonl": f"{bad}:2:", "unknown-setting": "tree.width"}[case] in err[0]
+
+
+@pytest.mark.parametrize("source", ["argument", "stdin"])
+def test_generate_streams_exactly_the_decoded_tokens(source, export_dir, target, tokenizer, capsys, monkeypatch):
+    argv = ["--draft", str(export_dir), "--max-new-tokens", "24", "--threads", "1"]
+    if source == "stdin":
+        monkeypatch.setattr("sys.stdin", io.StringIO("Write about tea.\n"))
+    else:
+        argv.append("Write about tea.")
+    assert generate_main(argv) == 0
+    captured = capsys.readouterr()
+    prompt = B.render_prompt(tokenizer, [{"role": "user", "content": "Write about tea."}])
+    ref = target.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False, pad_token_id=0)
+    assert captured.out == tokenizer.decode(ref[0, len(prompt):], skip_special_tokens=True) + "\n"
+    assert "24 new tokens" in captured.err and "tok/s" in captured.err and "τ" in captured.err
+
+
+@pytest.mark.parametrize("mark", [None, "brackets"])
+def test_streamer_never_prints_half_a_character(tokenizer, mark):
+    text = "naïve café 🚀 東京 ok\ndef add(a, b):\n    return a + b\n"
+    ids = tokenizer(text)["input_ids"]
+    assert any("\ufffd" in tokenizer.decode([i]) for i in ids)  # multi-byte characters are split over tokens
+    out = io.StringIO()
+    streamer = RunStreamer(tokenizer, out, mark)
+    seen = []
+    for i in range(0, len(ids), 2):  # two tokens per "iteration"
+        streamer.put_tokens(ids[i:i + 2])
+        seen.append(out.getvalue())
+    streamer.end()
+    assert not any("\ufffd" in s for s in seen)
+    printed = out.getvalue()
+    if mark == "brackets":
+        assert printed.startswith("[") and "]" in printed
+        printed = printed.replace("[", "").replace("]", "")
+    assert printed == text + "\n"
+
+
+def test_summary_line_reports_speed_tau_and_histogram():
+    from lyanna_train.cli.generate import summary_line
+
+    result = GenerationResult(tokens=list(range(10)), accept_lengths=[1, 3, 3, 2], target_forwards=5, wall_time=2.0)
+    line = summary_line(result)
+    assert "10 new tokens" in line and "5.0 tok/s" in line and "τ 2.00" in line and "0:1 1:1 2:2" in line
+
+
+@pytest.mark.slow
+def test_bench_on_smollm2_is_lossless(tmp_path, smollm2_tokenizer, capsys):
+    from lyanna_train.export.writer import export_checkpoint
+    from lyanna_train.models.config import DraftConfig
+    from lyanna_train.models.draft_head import DraftHead
+    from lyanna_train.target.model import load_target_model
+    from lyanna_train.training.checkpoint import write_draft_weights
+
+    target = load_target_model("smollm2")
+    torch.manual_seed(0)
+    cfg = DraftConfig.from_target(target.config, draft_vocab_size=2048, pool_size=128, pool_threshold=0.0)
+    draft = DraftHead(cfg, torch.randperm(target.config.vocab_size)[:2048], target.get_input_embeddings().weight)
+    ckpt = tmp_path / "run" / "checkpoints" / "step-00000001"
+    ckpt.mkdir(parents=True)
+    write_draft_weights(ckpt, draft.eval(), {"target": "smollm2"})
+    export_checkpoint(tmp_path / "run", tmp_path / "export", target=target, tokenizer=smollm2_tokenizer,
+                      say=lambda *_: None)
+    argv = ["--draft", str(tmp_path / "export"), "--num-prompts", "2", "--turns", "1", "--max-new-tokens", "16",
+            "--out", str(tmp_path / "bench")]
+    assert bench_main(argv) == 0
+    assert "lossless: yes (2/2 prompts identical)" in capsys.readouterr().out
