@@ -28,6 +28,7 @@ from transformers import DynamicCache
 
 from ..data.features import LayerCapture
 from ..models.draft_head import DraftHead
+from .cost import VerifyCost, best_count, measured_cost
 from .draft_step import DraftState, draft_extend
 from .draft_tree import TreeShape, draft_tree
 from .prompt_lookup import lookup_continuations
@@ -51,6 +52,13 @@ class DecodeSettings:
     lookup: LookupSettings = LookupSettings()
     sampling: SamplingParams = SamplingParams()
     seed: int = 0  # of the sampling generator
+    # "auto": verify the candidates that maximise expected tokens per second of measured
+    # target time (:mod:`.cost`); "all": verify every candidate
+    verify: str = "auto"
+
+    def __post_init__(self):
+        if self.verify not in ("auto", "all"):
+            raise ValueError(f"verify must be 'auto' or 'all', not {self.verify!r}")
 
 
 @dataclass
@@ -77,6 +85,27 @@ class Session:
     context: torch.Tensor  # [capacity] ids x_0..x_{n-1} in the first n slots (prompt lookup reads it)
     length: int  # n
     generator: torch.Generator
+    cost: VerifyCost
+    # per matched n-gram size: [lookup tokens the target confirmed, lookup chains it broke]
+    lookup_counts: dict = field(default_factory=dict)
+    lookup: tuple[int, list[int]] = (0, [])  # this iteration's (n-gram size, first continuation)
+
+    def lookup_rate(self, n: int) -> float:
+        """Chance the next lookup token is right after an n-gram match (geometric MLE, prior 1/2)."""
+        right, broken = self.lookup_counts.get(n, (1, 1))
+        return right / (right + broken)
+
+    def count_lookup(self, new: list[int]) -> None:
+        """Score this iteration's lookup continuation against what the target emitted."""
+        n, follow = self.lookup
+        if not n:
+            return
+        right = 0
+        while right < min(len(follow), len(new)) and follow[right] == new[right]:
+            right += 1
+        counts = self.lookup_counts.setdefault(n, [1, 1])
+        counts[0] += right
+        counts[1] += right < min(len(follow), len(new))
 
     @property
     def last_token(self) -> int:
@@ -123,8 +152,9 @@ def prefill(target, draft: DraftHead | None, prompt_ids, settings: DecodeSetting
         state = DraftState(draft, capacity=2 * prompt.shape[1] + 64)
         draft_extend(draft, state, aux, torch.cat([prompt[:, 1:], torch.tensor([[first]], device=prompt.device)], 1),
                      start=0)
+    cost = measured_cost(target) if settings.verify == "auto" else VerifyCost.flat()
     session = Session(capture, cache, state, torch.zeros(2 * prompt.shape[1] + 64, dtype=torch.long),
-                      0, generator)
+                      0, generator, cost)
     session.append(prompt[0].tolist() + [first])
     return session
 
@@ -135,10 +165,16 @@ def propose(draft: DraftHead | None, session: Session, settings: DecodeSettings)
     if draft is not None:
         draft_tree(draft, session.draft_state, tree, settings.tree)
     lookup = settings.lookup
+    session.lookup = (0, [])
     if lookup.max_tokens:
-        for follow in lookup_continuations(session.context[:session.length], lookup.max_tokens, lookup.max_ngram,
-                                           branches=lookup.branches):
-            tree.add_path(follow)
+        n, found = lookup_continuations(session.context[:session.length], lookup.max_tokens, lookup.max_ngram,
+                                        branches=lookup.branches)
+        rate = session.lookup_rate(n)
+        for follow in found:
+            tree.add_path(follow, [rate ** (j + 1) for j in range(len(follow))])
+        session.lookup = (n, found[0] if found else [])
+    if settings.verify == "auto":
+        tree = tree.best(best_count(sorted(tree.probs[1:], reverse=True), session.cost))
     return tree
 
 
@@ -160,6 +196,7 @@ def accept(draft: DraftHead | None, session: Session, tree: TokenTree, logits: t
     else:
         path, bonus = accept_tree_sampling(tree, warp_probs(logits, params), session.generator)
     new = tree.path_tokens(path[1:]) + [bonus]
+    session.count_lookup(new)
     start = session.length - 1  # position of the root
     keep_cache_positions(session.target_cache, start, path)
     if draft is not None:

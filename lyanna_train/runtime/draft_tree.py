@@ -7,10 +7,13 @@ accepted cache and to its own ancestors' scratch keys, fuses with the pool, and 
 all of them in one matrix product over the hot vocabulary. Finally the ``max_nodes``
 best candidates of all levels form the tree; a node's ancestors always score at least as
 well, so the selection is a tree. With ``branch = beam = 1`` this is chain drafting.
+Each node carries its cumulative draft probability, the runtime's estimate of its
+chance to be accepted (EAGLE-2's observation: a draft's confidence tracks acceptance).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -26,10 +29,11 @@ class TreeShape:
     branch: int = 1  # children scored per expanded node (top-k)
     beam: int = 1  # nodes expanded per level
     max_nodes: int = 5  # drafted nodes kept (the root excluded)
+    min_prob: float = 0.0  # stop drafting deeper once no node of a level is this likely
 
     def __post_init__(self):
-        if self.depth < 0 or self.branch < 1 or self.beam < 1 or self.max_nodes < 0:
-            raise ValueError(f"need depth >= 0, branch >= 1, beam >= 1, max_nodes >= 0, got {self}")
+        if self.depth < 0 or self.branch < 1 or self.beam < 1 or self.max_nodes < 0 or not 0 <= self.min_prob < 1:
+            raise ValueError(f"need depth >= 0, branch >= 1, beam >= 1, max_nodes >= 0, min_prob in [0, 1), got {self}")
 
 
 @dataclass
@@ -89,8 +93,11 @@ def draft_tree(draft: DraftHead, state: DraftState, tree: TokenTree, shape: Tree
     fused_of: dict[int, torch.Tensor] = {}  # expanded candidate -> its fused state [H]
     logp, ids = score_top(draft, state.anchor_state[0], shape.branch)
     level = _add_children(cands, [-1], [0.0], [0], logp, ids)
+    floor = math.log(shape.min_prob) if shape.min_prob > 0 else -math.inf
     for _ in range(2, shape.depth + 1):
-        chosen = sorted(level, key=lambda c: -cands[c].score)[: shape.beam]
+        chosen = [c for c in sorted(level, key=lambda c: -cands[c].score)[: shape.beam] if cands[c].score >= floor]
+        if not chosen:  # nothing this unlikely is worth a draft forward, let alone verifying
+            break
         parents = [cands[c].parent for c in chosen]
         first = state.scratch
         fused = _expand(draft, state, torch.stack([root_state if p < 0 else fused_of[p] for p in parents]),
@@ -106,7 +113,7 @@ def draft_tree(draft: DraftHead, state: DraftState, tree: TokenTree, shape: Tree
     node_of: dict[int, int] = {}
     for c in sorted(keep, key=lambda c: (cands[c].depth, -cands[c].score)):
         parent = cands[c].parent
-        node_of[c] = tree.add(0 if parent < 0 else node_of[parent], cands[c].token)
+        node_of[c] = tree.add(0 if parent < 0 else node_of[parent], cands[c].token, math.exp(cands[c].score))
     return list(node_of.values())
 
 

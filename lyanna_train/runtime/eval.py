@@ -28,7 +28,7 @@ def mean_acceptance(target, draft: DraftHead, prompts: Sequence[Sequence[int]], 
     taus: list[int] = []
     tokens = forwards = 0
     wall = 0.0
-    settings = settings or decode.DecodeSettings(tree=TreeShape(depth, 1, 1, depth))
+    settings = settings or decode.DecodeSettings(tree=TreeShape(depth, 1, 1, depth), verify="all")  # the head's τ
     for prompt in prompts:
         result = decode.generate(target, draft, prompt, max_new_tokens, settings, eos_ids=eos_ids, layer_ids=layer_ids)
         taus += result.accept_lengths

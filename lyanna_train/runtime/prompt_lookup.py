@@ -12,15 +12,16 @@ import torch
 
 
 def lookup_continuations(context: torch.Tensor, max_tokens: int, max_ngram: int = 3, min_ngram: int = 1,
-                         branches: int = 1) -> list[list[int]]:
-    """context [T] (1-D ids) -> up to ``branches`` distinct continuations of ≤ ``max_tokens``.
+                         branches: int = 1) -> tuple[int, list[list[int]]]:
+    """context [T] (1-D ids) -> (n, up to ``branches`` distinct continuations of ≤ ``max_tokens``).
 
-    The longest suffix n-gram (max_ngram down to min_ngram) that occurred before wins; its
-    most recent occurrences come first (recent text predicts the next better than old).
+    The longest suffix n-gram (max_ngram down to min_ngram) that occurred before wins (n
+    is its length, 0 when nothing matched); its most recent occurrences come first
+    (recent text predicts the next better than old).
     """
     t = context.shape[0]
     if max_tokens < 1 or branches < 1:
-        return []
+        return 0, []
     for n in range(min(max_ngram, t - 1), min_ngram - 1, -1):
         suffix = context[t - n:]
         windows = context[: t - 1].unfold(0, n, 1)  # every n-gram that ends before the last token
@@ -33,5 +34,5 @@ def lookup_continuations(context: torch.Tensor, max_tokens: int, max_ngram: int 
                 if len(found) == branches:
                     break
         if found:
-            return found
-    return []
+            return n, found
+    return 0, []

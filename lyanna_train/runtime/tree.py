@@ -20,35 +20,52 @@ class TokenTree:
     parents: list[int] = field(default_factory=list)  # parents[0] = -1
     depths: list[int] = field(default_factory=list)  # root 0, its children 1, ...
     children: list[dict[int, int]] = field(default_factory=list)  # token -> node, in insertion order
+    probs: list[float] = field(default_factory=list)  # estimated chance the node is accepted (root 1)
 
     @classmethod
     def rooted_at(cls, token: int) -> "TokenTree":
-        return cls([int(token)], [-1], [0], [{}])
+        return cls([int(token)], [-1], [0], [{}], [1.0])
 
     def __len__(self) -> int:
         return len(self.tokens)
 
-    def add(self, parent: int, token: int) -> int:
-        """The child of ``parent`` with ``token`` (created unless it exists) -> its node index."""
+    def add(self, parent: int, token: int, prob: float = 0.0) -> int:
+        """The child of ``parent`` with ``token`` (created unless it exists; a node proposed
+        twice keeps the higher ``prob``) -> its node index."""
         token = int(token)
         found = self.children[parent].get(token)
         if found is not None:
+            self.probs[found] = max(self.probs[found], prob)
             return found
         node = len(self.tokens)
         self.tokens.append(token)
         self.parents.append(parent)
         self.depths.append(self.depths[parent] + 1)
         self.children.append({})
+        self.probs.append(prob)
         self.children[parent][token] = node
         return node
 
-    def add_path(self, tokens, parent: int = 0) -> list[int]:
+    def add_path(self, tokens, probs=None, parent: int = 0) -> list[int]:
         """Insert a chain of candidates below ``parent`` (shared prefixes merge) -> its nodes."""
         nodes = []
-        for token in tokens:
-            parent = self.add(parent, token)
+        for i, token in enumerate(tokens):
+            parent = self.add(parent, token, 0.0 if probs is None else probs[i])
             nodes.append(parent)
         return nodes
+
+    def best(self, count: int) -> "TokenTree":
+        """The root and the ``count`` most probable other nodes, as a tree of their own.
+
+        Acceptance estimates never grow down a path, so the best nodes (ties broken by
+        node order) keep their parents; parents are added back should they not."""
+        ranked = sorted(range(1, len(self)), key=lambda n: (-self.probs[n], n))[:count]
+        keep = sorted({a for n in ranked for a in self.ancestors(n)})
+        out = TokenTree.rooted_at(self.tokens[0])
+        new = {0: 0}
+        for n in keep[1:]:
+            new[n] = out.add(new[self.parents[n]], self.tokens[n], self.probs[n])
+        return out
 
     def ancestors(self, node: int) -> list[int]:
         """Nodes from the root down to ``node``, both included."""

@@ -26,8 +26,13 @@ SHAPES = {"plain": TreeShape(0, 1, 1, 0), "chain1": TreeShape(1, 1, 1, 1), "chai
           "tree": TreeShape(4, 3, 2, 10), "wide": TreeShape(3, 4, 4, 30)}
 
 
+def settings(tree: TreeShape, lookup: LookupSettings = LookupSettings()) -> DecodeSettings:
+    """Every candidate verified: node counts must not depend on this machine's timings."""
+    return DecodeSettings(tree, lookup, verify="all")
+
+
 def chain(depth: int) -> DecodeSettings:
-    return DecodeSettings(tree=TreeShape(depth, 1, 1, depth))
+    return settings(TreeShape(depth, 1, 1, depth))
 
 
 @pytest.mark.parametrize("pool", [True, False], ids=["pool", "no-pool"])
@@ -35,9 +40,9 @@ def chain(depth: int) -> DecodeSettings:
 @pytest.mark.parametrize("lookup", [0, 4], ids=["draft", "draft+lookup"])
 def test_lossless_against_target_generate(tiny_target, pool, shape, lookup):
     draft = make_draft(tiny_target, pool)
-    settings = DecodeSettings(SHAPES[shape], LookupSettings(lookup, branches=2))
     for prompt in PROMPTS:
-        out = decode.generate(tiny_target, draft, prompt, MAX_NEW, settings, eos_ids=(), layer_ids=LAYER_IDS)
+        out = decode.generate(tiny_target, draft, prompt, MAX_NEW, settings(SHAPES[shape], LookupSettings(lookup, branches=2)),
+                              eos_ids=(), layer_ids=LAYER_IDS)
         assert out.tokens == greedy_reference(tiny_target, prompt, MAX_NEW)
         assert out.target_forwards == 1 + len(out.accept_lengths) == 1 + len(out.tree_sizes)
         assert 1 + sum(out.accept_lengths) >= len(out.tokens) > sum(out.accept_lengths)  # only the last is cut
@@ -54,7 +59,7 @@ def test_prompt_lookup_alone_is_lossless_and_accepts_on_repetition():
                                            num_attention_heads=4, num_key_value_heads=2, initializer_range=0.02,
                                            eos_token_id=None, pad_token_id=0)).eval()
     prompt = PROMPTS[0]
-    out = decode.generate(looping, None, prompt, 60, DecodeSettings(SHAPES["plain"], LookupSettings(6)), eos_ids=())
+    out = decode.generate(looping, None, prompt, 60, settings(SHAPES["plain"], LookupSettings(6)), eos_ids=())
     assert out.tokens == greedy_reference(looping, prompt, 60)
     assert max(out.accept_lengths) == 7 and out.mean_acceptance > 1.5
 
@@ -110,7 +115,7 @@ def test_stops_after_eos_even_inside_an_accepted_run(tiny_target, monkeypatch):
 def test_streaming_sees_every_token_once(tiny_target):
     seen = []
     out = decode.generate(tiny_target, make_draft(tiny_target, True), PROMPTS[2], 17,
-                          DecodeSettings(SHAPES["tree"], LookupSettings(3)), eos_ids=(), layer_ids=LAYER_IDS,
+                          settings(SHAPES["tree"], LookupSettings(3)), eos_ids=(), layer_ids=LAYER_IDS,
                           on_tokens=seen.extend)
     assert seen == out.tokens and len(seen) == 17
 

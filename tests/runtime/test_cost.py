@@ -1,0 +1,32 @@
+"""Verify-size choice: measured cost curve, expected tokens per second."""
+
+from __future__ import annotations
+
+import pytest
+
+from lyanna_train.runtime.cost import VerifyCost, best_count, measured_cost
+
+CPU_LIKE = VerifyCost([1, 2, 8, 16, 32], [0.039, 0.057, 0.059, 0.069, 0.094])
+
+
+def test_interpolates_between_and_extends_past_the_measured_sizes():
+    assert CPU_LIKE(1) == 0.039 and CPU_LIKE(16) == 0.069
+    assert CPU_LIKE(12) == pytest.approx(0.064)
+    assert CPU_LIKE(48) == pytest.approx(0.094 + (0.094 - 0.069) / 16 * 16)
+    assert VerifyCost.flat()(1) == VerifyCost.flat()(64)
+
+
+def test_speculates_only_when_it_pays():
+    # one candidate at 40 %: 1.4 tokens in 57 ms is worse than 1 token in 39 ms
+    assert best_count([0.4], CPU_LIKE) == 0
+    assert best_count([0.6], CPU_LIKE) == 1  # 1.6 / 57 ms beats 1 / 39 ms
+    # many likely candidates: the flat part of the curve is worth filling
+    assert best_count([0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3, 0.2, 0.01, 0.01], CPU_LIKE) == 8
+    assert best_count([0.01] * 5, VerifyCost.flat()) == 5  # free verification: take everything
+    assert best_count([], CPU_LIKE) == 0
+
+
+def test_measured_once_per_model(tiny_target):
+    cost = measured_cost(tiny_target)
+    assert measured_cost(tiny_target) is cost
+    assert all(t > 0 for t in cost.seconds) and cost.sizes[0] == 1
