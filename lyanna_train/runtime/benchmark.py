@@ -79,7 +79,10 @@ def read_questions(source: str, limit: int | None = None) -> list[Question]:
                 questions.append(_question(rec, path, lineno))
     if not questions:
         raise LyannaError(f"{path} holds no prompts")
-    return questions[:limit] if limit else questions
+    if not limit or limit >= len(questions):
+        return questions
+    # spread over the whole set, not its head: MT-Bench is ordered by category
+    return [questions[i * len(questions) // limit] for i in range(limit)]
 
 
 def render_prompt(tokenizer, messages: list[dict], chat: bool = True) -> list[int]:
@@ -126,7 +129,7 @@ class _Recorder:
 def hf_method(target, settings: DecodeSettings, prompt_lookup_tokens: int | None = None) -> Method:
     """``target.generate`` (greedy, or sampling as ``settings.sampling``), with transformers'
     prompt lookup when ``prompt_lookup_tokens`` is given."""
-    eos = decode._eos_ids(target, None)  # noqa: SLF001 - the very set our runtime stops at
+    eos = decode.stop_ids(target, None)  # the very set our runtime stops at
     pad = getattr(target.generation_config, "pad_token_id", None)
     params = settings.sampling
     extra = {"do_sample": False} if params.greedy else {
@@ -148,7 +151,7 @@ def hf_method(target, settings: DecodeSettings, prompt_lookup_tokens: int | None
             wall = time.perf_counter() - begin
         finally:
             handle.remove()
-        tokens, _ = decode._finish(out[0, len(prompt):].tolist(), eos, max_new_tokens)  # noqa: SLF001
+        tokens, _ = decode.cut(out[0, len(prompt):].tolist(), eos, max_new_tokens)
         return Run(tokens, wall, len(recorder.puts) - 1, recorder.puts[2:], recorder.inputs[1:])
 
     return run

@@ -205,7 +205,7 @@ def accept(draft: DraftHead | None, session: Session, tree: TokenTree, logits: t
     return new
 
 
-def _eos_ids(target, eos_ids) -> set[int]:
+def stop_ids(target, eos_ids) -> set[int]:
     if eos_ids is None:  # what target.generate would stop at
         eos_ids = getattr(getattr(target, "generation_config", None), "eos_token_id", None)
     if eos_ids is None:
@@ -213,7 +213,7 @@ def _eos_ids(target, eos_ids) -> set[int]:
     return {int(eos_ids)} if isinstance(eos_ids, int) else {int(e) for e in eos_ids}
 
 
-def _finish(tokens: list[int], eos: set[int], max_new_tokens: int) -> tuple[list[int], bool]:
+def cut(tokens: list[int], eos: set[int], max_new_tokens: int) -> tuple[list[int], bool]:
     """Cut after the first EOS and at max_new_tokens; True when generation is over."""
     for i, tok in enumerate(tokens[:max_new_tokens]):
         if tok in eos:
@@ -234,12 +234,12 @@ def generate(target, draft: DraftHead | None, prompt_ids, max_new_tokens: int, s
     ``max_new_tokens``; the surplus is cut."""
     if max_new_tokens < 1:
         raise ValueError(f"need max_new_tokens >= 1, got {max_new_tokens}")
-    eos = _eos_ids(target, eos_ids)
+    eos = stop_ids(target, eos_ids)
     begin = time.perf_counter()
     with torch.inference_mode():
         session = prefill(target, draft, prompt_ids, settings, layer_ids)
         result = GenerationResult(tokens=[session.last_token], target_forwards=1)
-        result.tokens, done = _finish(result.tokens, eos, max_new_tokens)
+        result.tokens, done = cut(result.tokens, eos, max_new_tokens)
         _emit(on_tokens, result.tokens)
         while not done:
             tree = propose(draft, session, settings)
@@ -249,7 +249,7 @@ def generate(target, draft: DraftHead | None, prompt_ids, max_new_tokens: int, s
             result.accept_lengths.append(len(new))
             result.tree_sizes.append(len(tree))
             before = len(result.tokens)
-            result.tokens, done = _finish(result.tokens + new, eos, max_new_tokens)
+            result.tokens, done = cut(result.tokens + new, eos, max_new_tokens)
             _emit(on_tokens, result.tokens[before:])
     result.wall_time = time.perf_counter() - begin
     return result

@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ..atomic import write_text_atomic
 from . import checkpoint as ckpt
 from .batches import CachedBatches, OnlineBatches, cache_lengths, plan_epoch
 from .config import validate
@@ -52,6 +53,10 @@ def train(cfg, config_dict: dict | None = None) -> dict:
     out_dir = Path(cfg.train.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     say = print if rank == 0 else (lambda *_: None)
+    if rank == 0:  # the resolved config, beside the checkpoints (exports carry it in their manifest)
+        from omegaconf import OmegaConf
+
+        write_text_atomic(out_dir / "config.yaml", OmegaConf.to_yaml(cfg, resolve=True))
 
     # ---- setup
     parts = build_parts(cfg, out_dir, rank == 0)

@@ -112,7 +112,8 @@ def records(target, tokenizer, export_dir):
 
 def test_decode_presets_and_overrides():
     default = load_decode_settings("default")
-    assert (default.tree.depth, default.tree.branch, default.tree.beam, default.tree.max_nodes) == (5, 4, 4, 16)
+    assert (default.tree.depth, default.tree.branch, default.tree.beam, default.tree.max_nodes) == (2, 3, 1, 6)
+    assert default.verify == "auto" and load_decode_settings("chain").verify == "all"
     assert (default.lookup.max_tokens, default.lookup.max_ngram, default.lookup.branches) == (10, 3, 1)
     assert default.sampling.greedy and default.sampling.top_p == 1.0 and default.seed == 0
     chain = load_decode_settings("chain")
@@ -121,7 +122,7 @@ def test_decode_presets_and_overrides():
     assert lookup.tree.depth == 0 and lookup.lookup.max_tokens > 0
     tuned = load_decode_settings("default", ["tree.depth=6", "sampling.temperature=0.7", "seed=3"])
     assert isinstance(tuned, DecodeSettings) and tuned.tree.depth == 6 and tuned.sampling.temperature == 0.7
-    assert tuned.seed == 3 and tuned.tree.branch == 4
+    assert tuned.seed == 3 and tuned.tree.branch == 3
     with pytest.raises(LyannaError, match="unknown decode setting 'tree.dept'"):
         load_decode_settings("default", ["tree.dept=6"])
     with pytest.raises(LyannaError, match="tree.depth"):
@@ -137,6 +138,8 @@ def test_read_questions_accepts_every_prompt_form_and_names_a_bad_line(tmp_path)
     assert len(mtbench) == 80 and all(len(q.turns) == 2 for q in mtbench) and mtbench[0].category == "writing"
     humaneval = B.read_questions("humaneval", limit=3)
     assert len(humaneval) == 3 and humaneval[0].question_id == "HumanEval/0"
+    spread = B.read_questions("mtbench", limit=8)  # every category, not the first eight writing prompts
+    assert len({q.category for q in spread}) == 8
     path = tmp_path / "mixed.jsonl"
     path.write_text('{"turns": ["a", "b"]}\n\n{"prompt": "c"}\n{"text": "d", "category": "x"}\n{"instruction": "e"}\n')
     assert [q.turns for q in B.read_questions(str(path))] == [("a", "b"), ("c",), ("d",), ("e",)]
@@ -200,7 +203,7 @@ def test_bench_cli_writes_results_and_exit_status(tmp_path, export_dir, prompts_
                      "bench.png"}
     summary = json.loads((tmp_path / "out" / "summary.json").read_text())
     assert summary["lossless"]["identical"] and summary["methods"]["target"]["speedup"] == 1.0
-    assert summary["decode"]["tree"]["depth"] == 5 and summary["environment"]["threads"] == 1
+    assert summary["decode"]["tree"]["depth"] == 2 and summary["environment"]["threads"] == 1
     assert len((tmp_path / "out" / "lyanna.jsonl").read_text().splitlines()) == 2
 
     real = B.runtime_method

@@ -39,6 +39,7 @@ def test_resume_reproduces_the_uninterrupted_losses(tmp_path, tiny_target_dir, t
     ckpts = out / "checkpoints"
     assert sorted(p.name for p in ckpts.iterdir()) == ["step-00000003", "step-00000006"]
     assert {"model.safetensors", "draft_config.json"} <= {p.name for p in (ckpts / "step-00000006").iterdir()}
+    assert "max_steps: 6" in (out / "config.yaml").read_text()  # the resolved config, for exports
     # interrupt after step 3: the last checkpoint and later metrics are gone, and a save was cut short
     shutil.rmtree(ckpts / "step-00000006")
     (ckpts / ".partial-step-00000005").mkdir()
