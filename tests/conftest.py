@@ -26,6 +26,16 @@ HEADER_TEMPLATE = (
 )
 
 
+@pytest.fixture
+def one_thread():
+    """Tiny models gain nothing from intra-op threads, and with the other core busy
+    (a benchmark, a parallel test run) OpenMP's spin-waiting makes them ~40x slower."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="session")
 def smollm2_tokenizer():
     from lyanna_train.target.loading import load_tokenizer

@@ -26,14 +26,7 @@ QUESTIONS = [{"question_id": 1, "category": "writing", "turns": ["Write about te
              {"question_id": 2, "category": "coding", "turns": ["def fib(n):", "Add a docstring."]}]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def single_threaded_module():
-    """Tiny models gain nothing from threads and slow down badly when the other cores are busy;
-    the CLIs run here with --threads 1, which sets the same."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: see tests/conftest.py
 
 
 @pytest.fixture(scope="module")

@@ -13,13 +13,9 @@ LAYER_IDS = (0, 1, 2)  # default_layer_ids needs more than 4 layers
 
 
 @pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny models gain nothing from intra-op threads, and with the other core busy
-    (a benchmark, a parallel test run) OpenMP's spin-waiting makes them ~40x slower."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
+def _tiny_models_on_one_thread(one_thread):
+    """Every runtime test on one thread (see ``one_thread`` in tests/conftest.py)."""
     yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="session")
