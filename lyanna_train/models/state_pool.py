@@ -78,6 +78,11 @@ class StatePool:
         if extra_states is not None:
             states = torch.cat([states, extra_states.to(states.dtype)], dim=1)
             positions = torch.cat([positions, extra_positions], dim=1)
+        return best_match(queries, states, self.window(anchors, positions))
+
+    def window(self, anchors: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """anchors [B, Q] -> [B, Q, S] bool: the slots each anchor may retrieve from,
+        positions [anchor - size, anchor - 1] (``positions`` [B, S]: the pool's own by default)."""
+        positions = self.positions if positions is None else positions
         delta = anchors[:, :, None] - positions[:, None, :]
-        allowed = (delta >= 1) & (delta <= self.size)
-        return best_match(queries, states, allowed)
+        return (delta >= 1) & (delta <= self.size)

@@ -20,6 +20,7 @@ import torch
 
 from ..models.draft_head import DraftHead
 from .draft_step import DraftState
+from .kernels import hot_head_topk, pool_fusion
 from .tree import TokenTree
 
 
@@ -46,10 +47,24 @@ class _Candidate:
 
 def score_top(draft: DraftHead, fused: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """fused [N, H] -> top-k (draft log-probabilities [N, k], target ids [N, k]) over the
-    hot vocabulary: one matrix product for every node of a level."""
-    logits = draft.score(fused)[..., : draft.cfg.draft_vocab_size].float()
-    top, index = torch.topk(logits, min(k, logits.shape[-1]), dim=-1)
-    return top - torch.logsumexp(logits, dim=-1, keepdim=True), draft.draft_to_target(index)
+    hot vocabulary: one fused norm + matrix product + top-k for every node of a level
+    (the Triton kernel on a GPU, its torch reference elsewhere). The optional "other"
+    bucket is not a token: it is neither proposed nor part of the normaliser."""
+    vocab = draft.cfg.draft_vocab_size
+    top, index, lse = hot_head_topk(fused, draft.norm.weight, draft.norm.variance_epsilon,
+                                    draft.lm_head.weight[:vocab], min(k, vocab))
+    return top - lse[:, None], draft.draft_to_target(index)
+
+
+def pool_fuse_serving(draft: DraftHead, state: DraftState, current: torch.Tensor) -> torch.Tensor:
+    """current [N, H] (tree nodes of one sequence, all drafting from the anchor) -> fused
+    [N, H]: retrieval from the anchor's pool window and α-fusion in one kernel on a GPU."""
+    pool, gate, n = state.pool, draft.gate, current.shape[0]
+    allowed = pool.window(torch.full((1, 1), state.anchor_pos, device=current.device))[:, 0]  # [1, S]
+    fused, _, _, _ = pool_fusion(current, pool.states.expand(n, -1, -1), allowed.expand(n, -1),
+                                 draft.cfg.pool_threshold, gate.proj.weight, gate.proj.bias, gate.out.weight,
+                                 gate.out.bias, gate.alpha_max)
+    return fused
 
 
 def _expand(draft: DraftHead, state: DraftState, parent_states: torch.Tensor, tokens: list[int], depths: list[int],
@@ -73,10 +88,7 @@ def _expand(draft: DraftHead, state: DraftState, parent_states: torch.Tensor, to
     state.scratch = first + n
     if state.pool is None:
         return current[0]
-    anchors = torch.full((1, n), state.anchor_pos, device=device)  # retrieval by anchor, as in training
-    sim, retrieved = state.pool.retrieve(current, anchors)
-    fused, _, _ = draft.pool_fuse(current, sim, retrieved)
-    return fused[0]
+    return pool_fuse_serving(draft, state, current[0])  # retrieval by anchor position, as in training
 
 
 def draft_tree(draft: DraftHead, state: DraftState, tree: TokenTree, shape: TreeShape) -> list[int]:

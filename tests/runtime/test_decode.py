@@ -14,6 +14,7 @@ from lyanna_train.data.features import LayerCapture
 from lyanna_train.runtime import decode
 from lyanna_train.runtime.decode import DecodeSettings, LookupSettings
 from lyanna_train.runtime.draft_step import DraftState, draft_extend
+from lyanna_train.runtime import draft_tree as draft_tree_module
 from lyanna_train.runtime.draft_tree import TreeShape, draft_tree
 from lyanna_train.runtime.target_step import keep_cache_positions, target_forward, verify_tree
 from lyanna_train.runtime.tree import TokenTree, attention_mask
@@ -154,7 +155,7 @@ def test_tree_verify_scores_every_node_after_its_own_path(tiny_target):
 
 
 @pytest.mark.parametrize("pool", [True, False], ids=["pool", "no-pool"])
-def test_draft_steps_equal_the_training_forward(tiny_target, pool):
+def test_draft_steps_equal_the_training_forward(tiny_target, pool, monkeypatch):
     """Chunked step 0 (prefill, then accepted runs of any length, past the 128-state pool
     window) followed by chain drafting gives, at every step, the logits forward_unrolled
     trains on when the drafted tokens are taken as the sequence."""
@@ -164,9 +165,14 @@ def test_draft_steps_equal_the_training_forward(tiny_target, pool):
     total = sum(chunks) + depth + 1
     aux, ids = torch.randn(1, total, 3 * 64), torch.randint(0, V, (1, total))
     state = DraftState(draft, capacity=8)  # small: growth is exercised too
-    scored = []
-    real_score = draft.score
-    draft.score = lambda hidden: scored.append(real_score(hidden)) or scored[-1]
+    scored = []  # the logits of every state the drafting scores
+    real_score_top = draft_tree_module.score_top
+
+    def score_top(draft, fused, k):
+        scored.append(draft.score(fused))
+        return real_score_top(draft, fused, k)
+
+    monkeypatch.setattr(draft_tree_module, "score_top", score_top)
     start = 0
     with torch.no_grad():
         for chunk in chunks:
@@ -199,13 +205,13 @@ def spy_on_retrieval(state: DraftState) -> list:
     rarely the best match for the logits comparison alone to catch a shifted window)."""
     seen = []
     if state.pool is not None:
-        real = type(state.pool).retrieve.__get__(state.pool)
+        real = type(state.pool).window.__get__(state.pool)
 
-        def retrieve(queries, anchors, *args, **kwargs):
+        def window(anchors, *args, **kwargs):
             seen.append(anchors.tolist())
-            return real(queries, anchors, *args, **kwargs)
+            return real(anchors, *args, **kwargs)
 
-        state.pool.retrieve = retrieve
+        state.pool.window = window
     return seen
 
 
@@ -228,3 +234,27 @@ def test_tree_drafting_keeps_the_best_nodes_and_leaves_no_trace(tiny_target):
     assert max(first.depths) <= 4 and len(first.children[0]) <= 3
     assert all(len(c) <= 3 for c in first.children)
     assert state.length == 20 and state.scratch <= 20 + 2 * 4
+
+
+def test_lossless_through_the_triton_kernels(tiny_target, monkeypatch):
+    """The draft's hot paths (hot-vocabulary head + top-k, pool retrieval + α-fusion) run
+    through the Triton kernels -- interpreted here, compiled on a GPU -- and decoding stays
+    lossless with the same tree as the torch references give."""
+    from lyanna_train.runtime import kernels
+
+    if not kernels.interpreter_ready():
+        pytest.skip("needs triton and TRITON_INTERPRET=1 from the start (tests/conftest.py sets it without CUDA)")
+    draft = make_draft(tiny_target, True)
+    shape = settings(TreeShape(3, 2, 2, 6), LookupSettings(3))
+    prompt = PROMPTS[2]
+    reference = decode.generate(tiny_target, draft, prompt, 12, shape, eos_ids=(), layer_ids=LAYER_IDS)
+    monkeypatch.setattr(kernels, "use_triton", lambda backend, *tensors: True)
+    calls = {"hot_head_topk_triton": 0, "pool_fusion_triton": 0}
+    for name in calls:
+        real = getattr(kernels, name)
+        monkeypatch.setattr(kernels, name, lambda *a, _real=real, _name=name: calls.__setitem__(_name, calls[_name] + 1)
+                            or _real(*a))
+    out = decode.generate(tiny_target, draft, prompt, 12, shape, eos_ids=(), layer_ids=LAYER_IDS)
+    assert out.tokens == reference.tokens == greedy_reference(tiny_target, prompt, 12)
+    assert out.tree_sizes == reference.tree_sizes
+    assert calls["hot_head_topk_triton"] > 0 and calls["pool_fusion_triton"] > 0
