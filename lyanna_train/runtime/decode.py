@@ -89,11 +89,27 @@ class Session:
     # per matched n-gram size: [lookup tokens the target confirmed, lookup chains it broke]
     lookup_counts: dict = field(default_factory=dict)
     lookup: tuple[int, list[int]] = (0, [])  # this iteration's (n-gram size, first continuation)
+    # [draft candidates the target confirmed, their summed draft probabilities] over verified ones
+    draft_counts: list = field(default_factory=lambda: [1.0, 1.0])
+    draft_guesses: dict = field(default_factory=dict)  # candidate path (tokens) -> its draft probability
 
     def lookup_rate(self, n: int) -> float:
         """Chance the next lookup token is right after an n-gram match (geometric MLE, prior 1/2)."""
         right, broken = self.lookup_counts.get(n, (1, 1))
         return right / (right + broken)
+
+    def draft_scale(self) -> float:
+        """Confirmed / predicted: how far the draft's probabilities over- or under-state its
+        acceptance here (a head trained on other text is overconfident), applied to them."""
+        return self.draft_counts[0] / self.draft_counts[1]
+
+    def count_draft(self, verified: TokenTree, new: list[int]) -> None:
+        """Score the verified draft candidates against what the target emitted."""
+        for node in range(1, len(verified)):
+            path = tuple(verified.path_tokens(verified.ancestors(node))[1:])
+            if path in self.draft_guesses:
+                self.draft_counts[1] += self.draft_guesses[path]
+                self.draft_counts[0] += list(path) == new[:len(path)]
 
     def count_lookup(self, new: list[int]) -> None:
         """Score this iteration's lookup continuation against what the target emitted."""
@@ -162,8 +178,12 @@ def prefill(target, draft: DraftHead | None, prompt_ids, settings: DecodeSetting
 def propose(draft: DraftHead | None, session: Session, settings: DecodeSettings) -> TokenTree:
     """The candidates of one iteration, as a tree below the last accepted token."""
     tree = TokenTree.rooted_at(session.last_token)
+    session.draft_guesses = {}
     if draft is not None:
-        draft_tree(draft, session.draft_state, tree, settings.tree)
+        scale = session.draft_scale()
+        for node in draft_tree(draft, session.draft_state, tree, settings.tree):
+            session.draft_guesses[tuple(tree.path_tokens(tree.ancestors(node))[1:])] = tree.probs[node]
+            tree.probs[node] = min(1.0, tree.probs[node] * scale)
     lookup = settings.lookup
     session.lookup = (0, [])
     if lookup.max_tokens:
@@ -197,6 +217,7 @@ def accept(draft: DraftHead | None, session: Session, tree: TokenTree, logits: t
         path, bonus = accept_tree_sampling(tree, warp_probs(logits, params), session.generator)
     new = tree.path_tokens(path[1:]) + [bonus]
     session.count_lookup(new)
+    session.count_draft(tree, new)
     start = session.length - 1  # position of the root
     keep_cache_positions(session.target_cache, start, path)
     if draft is not None:

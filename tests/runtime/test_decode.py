@@ -258,3 +258,18 @@ def test_lossless_through_the_triton_kernels(tiny_target, monkeypatch):
     assert out.tokens == reference.tokens == greedy_reference(tiny_target, prompt, 12)
     assert out.tree_sizes == reference.tree_sizes
     assert calls["hot_head_topk_triton"] > 0 and calls["pool_fusion_triton"] > 0
+
+
+def test_draft_confidence_is_calibrated_by_what_the_target_confirms(tiny_target):
+    """A random draft is confident and always wrong: its probabilities get scaled down
+    towards its (zero) acceptance, so the cost model stops verifying its candidates."""
+    draft = make_draft(tiny_target, False)
+    session = decode.prefill(tiny_target, draft, PROMPTS[0], chain(3), LAYER_IDS)
+    with torch.inference_mode():
+        for _ in range(6):
+            tree = decode.propose(draft, session, chain(3))
+            logits, aux = decode.verify(tiny_target, session, tree)
+            decode.accept(draft, session, tree, logits, aux, chain(3).sampling)
+    confirmed, predicted = session.draft_counts
+    assert predicted > 1.0 and session.draft_scale() == pytest.approx(confirmed / predicted)
+    assert session.draft_scale() < 1.0
