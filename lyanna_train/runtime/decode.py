@@ -256,6 +256,8 @@ def generate(target, draft: DraftHead | None, prompt_ids, max_new_tokens: int, s
     if max_new_tokens < 1:
         raise ValueError(f"need max_new_tokens >= 1, got {max_new_tokens}")
     eos = stop_ids(target, eos_ids)
+    if settings.verify == "auto":
+        measured_cost(target)  # once per model and process, before the clock: not this prompt's time
     begin = time.perf_counter()
     with torch.inference_mode():
         session = prefill(target, draft, prompt_ids, settings, layer_ids)
