@@ -1,4 +1,5 @@
-"""How many candidates to verify: expected tokens per second of target time.
+"""How many candidates to verify: expected tokens per second of target time, from each
+candidate's estimated chance of acceptance (:class:`AcceptanceEstimates`).
 
 On a GPU a target forward costs about the same for 1 or 64 tokens, so every candidate is
 worth verifying. On a CPU it does not: with SmolLM2 on 2 cores one token takes ~39 ms
@@ -61,6 +62,61 @@ def best_count(probs: Sequence[float], cost: VerifyCost) -> int:
         if rate > best_rate:
             best, best_rate = n, rate
     return best
+
+
+class AcceptanceEstimates:
+    """Each candidate's chance to be accepted, learned from what the target confirms.
+
+    Draft candidates: their cumulative draft probability (EAGLE-2's observation: a draft's
+    confidence tracks acceptance) scaled by confirmed / predicted over the verified ones
+    (a head trained on other text is overconfident). Lookup candidates: a geometric rate
+    per matched n-gram length, the MLE of "the next lookup token is right" (prior 1/2).
+    """
+
+    def __init__(self):
+        self.draft = [1.0, 1.0]  # [draft candidates confirmed, their summed draft probabilities]
+        self.guesses: dict[tuple, float] = {}  # this iteration's draft paths (tokens) -> raw probability
+        self.lookup: dict[int, list[int]] = {}  # n-gram length -> [tokens confirmed, chains broken]
+        self.proposal: tuple[int, list[int]] = (0, [])  # this iteration's (n-gram length, continuation)
+
+    def draft_scale(self) -> float:
+        return self.draft[0] / self.draft[1]
+
+    def calibrate_draft(self, tree, nodes: list[int]) -> None:
+        """Remember the draft's own probabilities of ``nodes`` and scale them in ``tree``."""
+        scale = self.draft_scale()
+        self.guesses = {}
+        for node in nodes:
+            self.guesses[tuple(tree.path_tokens(tree.ancestors(node))[1:])] = tree.probs[node]
+            tree.probs[node] = min(1.0, tree.probs[node] * scale)
+
+    def lookup_rate(self, n: int) -> float:
+        right, broken = self.lookup.get(n, (1, 1))
+        return right / (right + broken)
+
+    def lookup_probs(self, n: int, length: int) -> list[float]:
+        rate = self.lookup_rate(n)
+        return [rate ** (j + 1) for j in range(length)]
+
+    def proposed_lookup(self, n: int, continuation: list[int]) -> None:
+        self.proposal = (n, continuation)
+
+    def update(self, verified, new: list[int]) -> None:
+        """After a verify: ``verified`` is the tree the target scored, ``new`` the tokens it emitted."""
+        for node in range(1, len(verified)):
+            path = tuple(verified.path_tokens(verified.ancestors(node))[1:])
+            if path in self.guesses:
+                self.draft[1] += self.guesses[path]
+                self.draft[0] += list(path) == new[:len(path)]
+        n, follow = self.proposal
+        if n:
+            right = 0
+            while right < min(len(follow), len(new)) and follow[right] == new[right]:
+                right += 1
+            counts = self.lookup.setdefault(n, [1, 1])
+            counts[0] += right
+            counts[1] += right < min(len(follow), len(new))
+        self.guesses, self.proposal = {}, (0, [])
 
 
 _measured: "weakref.WeakKeyDictionary[torch.nn.Module, VerifyCost]" = weakref.WeakKeyDictionary()

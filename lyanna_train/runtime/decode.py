@@ -28,7 +28,7 @@ from transformers import DynamicCache
 
 from ..data.features import LayerCapture
 from ..models.draft_head import DraftHead
-from .cost import VerifyCost, best_count, measured_cost
+from .cost import AcceptanceEstimates, VerifyCost, best_count, measured_cost
 from .draft_step import DraftState, draft_extend
 from .draft_tree import TreeShape, draft_tree
 from .prompt_lookup import lookup_continuations
@@ -86,49 +86,14 @@ class Session:
     length: int  # n
     generator: torch.Generator
     cost: VerifyCost
-    # per matched n-gram size: [lookup tokens the target confirmed, lookup chains it broke]
-    lookup_counts: dict = field(default_factory=dict)
-    lookup: tuple[int, list[int]] = (0, [])  # this iteration's (n-gram size, first continuation)
-    # [draft candidates the target confirmed, their summed draft probabilities] over verified ones
-    draft_counts: list = field(default_factory=lambda: [1.0, 1.0])
-    draft_guesses: dict = field(default_factory=dict)  # candidate path (tokens) -> its draft probability
-
-    def lookup_rate(self, n: int) -> float:
-        """Chance the next lookup token is right after an n-gram match (geometric MLE, prior 1/2)."""
-        right, broken = self.lookup_counts.get(n, (1, 1))
-        return right / (right + broken)
-
-    def draft_scale(self) -> float:
-        """Confirmed / predicted: how far the draft's probabilities over- or under-state its
-        acceptance here (a head trained on other text is overconfident), applied to them."""
-        return self.draft_counts[0] / self.draft_counts[1]
-
-    def count_draft(self, verified: TokenTree, new: list[int]) -> None:
-        """Score the verified draft candidates against what the target emitted."""
-        for node in range(1, len(verified)):
-            path = tuple(verified.path_tokens(verified.ancestors(node))[1:])
-            if path in self.draft_guesses:
-                self.draft_counts[1] += self.draft_guesses[path]
-                self.draft_counts[0] += list(path) == new[:len(path)]
-
-    def count_lookup(self, new: list[int]) -> None:
-        """Score this iteration's lookup continuation against what the target emitted."""
-        n, follow = self.lookup
-        if not n:
-            return
-        right = 0
-        while right < min(len(follow), len(new)) and follow[right] == new[right]:
-            right += 1
-        counts = self.lookup_counts.setdefault(n, [1, 1])
-        counts[0] += right
-        counts[1] += right < min(len(follow), len(new))
+    estimates: AcceptanceEstimates = field(default_factory=AcceptanceEstimates)
 
     @property
     def last_token(self) -> int:
         return int(self.context[self.length - 1])
 
     def append(self, tokens: list[int]) -> None:
-        if self.length + len(tokens) > self.context.shape[0]:
+        while self.length + len(tokens) > self.context.shape[0]:
             self.context = torch.cat([self.context, torch.zeros_like(self.context)])
         self.context[self.length:self.length + len(tokens)] = torch.tensor(tokens)
         self.length += len(tokens)
@@ -178,21 +143,16 @@ def prefill(target, draft: DraftHead | None, prompt_ids, settings: DecodeSetting
 def propose(draft: DraftHead | None, session: Session, settings: DecodeSettings) -> TokenTree:
     """The candidates of one iteration, as a tree below the last accepted token."""
     tree = TokenTree.rooted_at(session.last_token)
-    session.draft_guesses = {}
+    estimates = session.estimates
     if draft is not None:
-        scale = session.draft_scale()
-        for node in draft_tree(draft, session.draft_state, tree, settings.tree):
-            session.draft_guesses[tuple(tree.path_tokens(tree.ancestors(node))[1:])] = tree.probs[node]
-            tree.probs[node] = min(1.0, tree.probs[node] * scale)
+        estimates.calibrate_draft(tree, draft_tree(draft, session.draft_state, tree, settings.tree))
     lookup = settings.lookup
-    session.lookup = (0, [])
     if lookup.max_tokens:
         n, found = lookup_continuations(session.context[:session.length], lookup.max_tokens, lookup.max_ngram,
                                         branches=lookup.branches)
-        rate = session.lookup_rate(n)
         for follow in found:
-            tree.add_path(follow, [rate ** (j + 1) for j in range(len(follow))])
-        session.lookup = (n, found[0] if found else [])
+            tree.add_path(follow, estimates.lookup_probs(n, len(follow)))
+        estimates.proposed_lookup(n, found[0] if found else [])
     if settings.verify == "auto":
         tree = tree.best(best_count(sorted(tree.probs[1:], reverse=True), session.cost))
     return tree
@@ -216,8 +176,7 @@ def accept(draft: DraftHead | None, session: Session, tree: TokenTree, logits: t
     else:
         path, bonus = accept_tree_sampling(tree, warp_probs(logits, params), session.generator)
     new = tree.path_tokens(path[1:]) + [bonus]
-    session.count_lookup(new)
-    session.count_draft(tree, new)
+    session.estimates.update(tree, new)
     start = session.length - 1  # position of the root
     keep_cache_positions(session.target_cache, start, path)
     if draft is not None:

@@ -30,3 +30,24 @@ def test_measured_once_per_model(tiny_target):
     cost = measured_cost(tiny_target)
     assert measured_cost(tiny_target) is cost
     assert all(t > 0 for t in cost.seconds) and cost.sizes[0] == 1
+
+
+def test_acceptance_estimates_learn_from_what_the_target_confirms():
+    from lyanna_train.runtime.cost import AcceptanceEstimates
+    from lyanna_train.runtime.tree import TokenTree
+
+    est = AcceptanceEstimates()
+    assert est.lookup_probs(2, 3) == [0.5, 0.25, 0.125]  # prior 1/2 per token
+    # a 2-gram lookup of 4 tokens, the target confirms 3 and then differs: 3 right, 1 break
+    est.proposed_lookup(2, [5, 6, 7, 8])
+    est.update(TokenTree.rooted_at(1), [5, 6, 7, 9])
+    assert est.lookup_rate(2) == (1 + 3) / (1 + 3 + 1 + 1) and est.lookup_rate(3) == 0.5
+    # draft candidates 0.9 (right) and 0.8 (wrong): confirmed 1 of 1.7 predicted
+    tree = TokenTree.rooted_at(1)
+    nodes = [tree.add(0, 5, 0.9), tree.add(0, 4, 0.8)]
+    est.calibrate_draft(tree, nodes)
+    est.update(tree, [5, 2])
+    assert est.draft == [2.0, 2.7] and est.draft_scale() == pytest.approx(2 / 2.7)
+    tree = TokenTree.rooted_at(1)
+    est.calibrate_draft(tree, [tree.add(0, 3, 0.9)])
+    assert tree.probs[1] == pytest.approx(0.9 * 2 / 2.7)

@@ -270,6 +270,6 @@ def test_draft_confidence_is_calibrated_by_what_the_target_confirms(tiny_target)
             tree = decode.propose(draft, session, chain(3))
             logits, aux = decode.verify(tiny_target, session, tree)
             decode.accept(draft, session, tree, logits, aux, chain(3).sampling)
-    confirmed, predicted = session.draft_counts
-    assert predicted > 1.0 and session.draft_scale() == pytest.approx(confirmed / predicted)
-    assert session.draft_scale() < 1.0
+    confirmed, predicted = session.estimates.draft
+    assert predicted > 1.0 and session.estimates.draft_scale() == pytest.approx(confirmed / predicted)
+    assert session.estimates.draft_scale() < 1.0
