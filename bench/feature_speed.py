@@ -12,6 +12,10 @@ so that drift in machine load (a shared CPU) hits both sides alike; rates per se
 wall time and per second of this process's CPU time are both printed. Rates count real
 (unpadded) tokens. Target: writer >= 90% of bare. The default run takes ~2 minutes.
 
+``--teacher-summary`` also stores the teacher's full-vocabulary top-1 and logsumexp (what
+training uses by default): the writer then runs the LM head too, so the bare side becomes
+the full causal-LM forward ``model(input_ids)`` with its logits.
+
 Usage: python bench/feature_speed.py [--batches 30] [--batch-tokens 1024] [--rounds 2]
 """
 
@@ -49,7 +53,7 @@ def bare_forward(model, samples, settings) -> tuple[int, int, int, float]:
     start = time.perf_counter()
     with torch.inference_mode():
         for ids in batches:
-            model.base_model(input_ids=ids, use_cache=False)
+            (model if settings.teacher_summary else model.base_model)(input_ids=ids, use_cache=False)
     return real, sum(ids.numel() for ids in batches), len(batches), time.perf_counter() - start
 
 
@@ -71,6 +75,8 @@ def main() -> None:
     ap.add_argument("--shard-tokens", type=int, default=4096, help="small, so rounds write several shards")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    ap.add_argument("--teacher-summary", action="store_true",
+                    help="store the teacher summary too; compare with the full forward (logits)")
     args = ap.parse_args()
 
     from lyanna_train.data.feature_cache_writer import CacheSettings
@@ -80,7 +86,7 @@ def main() -> None:
     tokenizer = load_tokenizer("smollm2")
     model = load_target_model("smollm2", dtype=getattr(torch, args.dtype))
     settings = CacheSettings(max_length=args.max_length, shard_tokens=args.shard_tokens,
-                             batch_tokens=args.batch_tokens)
+                             batch_tokens=args.batch_tokens, teacher_summary=args.teacher_summary)
     samples = load_samples(tokenizer, args.max_length, int(args.batches * args.batch_tokens * 0.9))
     parts = [samples[r::args.rounds] for r in range(args.rounds)]
     bare_forward(model, samples[:2], settings)  # warm-up (allocator, kernels)

@@ -37,7 +37,8 @@ from .batching import collate, length_grouped_batches
 from .feature_cache import (
     DTYPE, FORMAT, SHARDS, VERSION, bytes_per_token, entry_path, read_manifest, shard_path, shard_problem,
 )
-from .features import LAYER_CONVENTION, FeatureExtractor, teacher_summary
+from .features import LAYER_CONVENTION, FeatureExtractor
+from .features import teacher_summary as summarise
 from .samples import Sample
 
 # What must match for a resumed build (or another --shard process) to add to a cache.
@@ -50,6 +51,9 @@ class CacheSettings:
     max_length: int = 2048  # samples are cut to this many tokens
     shard_tokens: int = 32768  # a shard closes at this many tokens (~150 MB for a 576-wide target)
     batch_tokens: int = 4096  # padded tokens per target forward
+    # also store the teacher's full-vocabulary top-1 and logsumexp per token: one more LM-head
+    # pass here (~25 % of a 135M model's forward) that every training epoch then skips
+    teacher_summary: bool = True
 
     def __post_init__(self):
         for name in ("max_length", "shard_tokens", "batch_tokens"):
@@ -178,9 +182,10 @@ class _BackgroundWriter:
             self._check()
 
 
-def compute_shard(extractor, group: ShardSamples, batch_tokens: int, on_tokens=None) -> dict[str, torch.Tensor]:
+def compute_shard(extractor, group: ShardSamples, batch_tokens: int, teacher_summary: bool = True,
+                  on_tokens=None) -> dict[str, torch.Tensor]:
     """Run the target over one shard and pack its features: aux [N, k*H], last [N, H] in bf16,
-    and the teacher's full-vocabulary summary (top-1 int32, logsumexp fp32, from fp32 states)."""
+    and (``teacher_summary``) the full-vocabulary top-1 int32 and logsumexp fp32, from fp32 states."""
     offsets = torch.tensor([0, *itertools.accumulate(len(t) for t in group.input_ids)], dtype=torch.int64)
     aux = torch.empty(group.tokens, extractor.aux_size, dtype=DTYPE)
     last = torch.empty(group.tokens, extractor.hidden_size, dtype=DTYPE)
@@ -194,10 +199,12 @@ def compute_shard(extractor, group: ShardSamples, batch_tokens: int, on_tokens=N
             a, b = int(offsets[sample.index]), int(offsets[sample.index + 1])
             aux[a:b] = feats.aux[row, : b - a]
             last[a:b] = feats.last[row, : b - a]
-            top1[a:b], lse[a:b] = teacher_summary(feats.last[row, : b - a], lm_weight)
+            if teacher_summary:
+                top1[a:b], lse[a:b] = summarise(feats.last[row, : b - a], lm_weight)
         if on_tokens is not None:
             on_tokens(sum(len(sample) for sample in batch))
-    return {"aux": aux, "last": last, "teacher_top1": top1, "teacher_lse": lse, "input_ids": torch.cat(group.input_ids),
+    summary = {"teacher_top1": top1, "teacher_lse": lse} if teacher_summary else {}
+    return {"aux": aux, "last": last, **summary, "input_ids": torch.cat(group.input_ids),
             "loss_mask": torch.cat(group.loss_mask), "offsets": offsets,
             "sample_index": torch.tensor(group.index, dtype=torch.int64)}
 
@@ -295,7 +302,7 @@ def _compute(samples, settings: CacheSettings, max_samples, extractor, todo: dic
         if group.plan() != planned:
             raise LyannaError("the samples changed between the planning and the computing pass "
                               "(the sample stream must be deterministic)")
-        writer.submit(planned, compute_shard(extractor, group, settings.batch_tokens, on_tokens))
+        writer.submit(planned, compute_shard(extractor, group, settings.batch_tokens, settings.teacher_summary, on_tokens))
 
 
 def _summary(result: BuildResult, part: int, parts: int) -> str:

@@ -49,6 +49,7 @@ class DataConf:
     cache_dir: Optional[str] = None  # feature cache; None = <train.out_dir>/features
     batch_tokens: int = 4096  # padded tokens per micro-batch
     shard_tokens: int = 32768  # tokens per cache shard
+    teacher_summary: bool = True  # cache the teacher's top-1 + logsumexp: slower extraction, faster epochs
 
 
 @dataclass

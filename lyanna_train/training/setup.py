@@ -70,7 +70,7 @@ def feature_cache(cfg, samples: CorpusSamples, target, tokenizer, layer_ids, out
 
     root = Path(cfg.data.cache_dir) if cfg.data.cache_dir else out_dir / "features"
     settings = CacheSettings(max_length=cfg.data.max_length, shard_tokens=cfg.data.shard_tokens,
-                             batch_tokens=cfg.data.batch_tokens)
+                             batch_tokens=cfg.data.batch_tokens, teacher_summary=cfg.data.teacher_summary)
     build_feature_cache(samples, target, tokenizer, root, layer_ids=layer_ids, settings=settings, shard=(rank, world),
                         max_samples=cfg.data.max_samples, source={"corpus": list(cfg.data.corpus)},
                         progress=rank == 0, say=print if rank == 0 else (lambda *_: None))

@@ -91,6 +91,9 @@ def test_round_trip_matches_direct_features(reference_cache, tiny_target, smollm
         assert r["aux"].dtype == torch.bfloat16 and r["aux"].shape == (len(ids), 3 * 64)
         torch.testing.assert_close(r["aux"].float(), direct.aux[0], rtol=1.6e-2, atol=1e-2)
         torch.testing.assert_close(r["last"].float(), direct.last[0], rtol=1.6e-2, atol=1e-2)
+        logits = direct.last[0] @ tiny_target.lm_head.weight.T  # the teacher summary, from fp32 states
+        assert torch.equal(r["teacher_top1"].long(), logits.argmax(-1))
+        torch.testing.assert_close(r["teacher_lse"], torch.logsumexp(logits, -1), rtol=1e-4, atol=1e-4)
     on_disk = sum((out / "shards" / f).stat().st_size for f in _files(out) if f.endswith(".safetensors"))
     assert result.bytes_written == on_disk
     assert on_disk / result.tokens_computed == pytest.approx(manifest["bytes_per_token"], rel=0.2)
