@@ -26,7 +26,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-prompts", type=int, default=0, help="N questions spread evenly over the set (default: all)")
     p.add_argument("--turns", type=int, choices=(1, 2), default=2, help="turns per question (default 2)")
     p.add_argument("--max-new-tokens", type=int, default=128, help="per turn (default 128)")
-    p.add_argument("--methods", default="target,pld,lyanna", help="comma-separated: target, pld, lyanna, lookup")
+    p.add_argument("--methods", default="target,pld,lyanna", help="comma-separated: target, stock (target.generate with torch's own nn.Linear), pld, lyanna, lookup")
     p.add_argument("--pld-tokens", type=int, default=10, help="prompt_lookup_num_tokens for pld (default 10)")
     p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=True,
                    help="render prompts with the tokenizer's chat template (default on)")
@@ -45,7 +45,7 @@ def markdown_table(summary: dict, lossless: dict, depths: int = 3) -> str:
         identical = "reference" if lossless.get("checked") and method == "target" else \
             f"{n - check['mismatches']}/{n}" if check else "–"
         speedup = f"{s['speedup']:.2f}×" if s["speedup"] is not None else "–"
-        rates = [f"{r:.3f}" for r in s["accept_rate"][:depths]] if method != "target" else ["–"] * depths
+        rates = [f"{r:.3f}" for r in s["accept_rate"][:depths]] if method not in ("target", "stock") else ["–"] * depths
         rows.append("| " + " | ".join([method, str(s["new_tokens"]), f"{s['tokens_per_s']:.1f}", speedup,
                                        f"{s['tau']:.2f}", f"{s['mean_tree_size']:.1f}", *rates, identical]) + " |")
     return "\n".join(rows)
@@ -119,7 +119,8 @@ def main(argv: list[str]) -> int:
     settings = load_decode_settings(args.decode, args.overrides)
     questions = B.read_questions(args.prompts, args.num_prompts or None)
     out = Path(args.out or f"checkpoints/bench-{Path(args.draft or args.target).name}-{Path(args.prompts).stem}")
-    target, tokenizer, draft = load_models(args.draft, args.target, "lyanna" in names, args.threads)
+    target, tokenizer, draft = load_models(args.draft, args.target, "lyanna" in names, args.threads,
+                                           not args.stock_linears)
     methods = B.make_methods(names, target, draft, settings, args.pld_tokens)
 
     warm = B.Question("warm-up", "", questions[0].turns[:1])

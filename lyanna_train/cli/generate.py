@@ -27,19 +27,26 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="decoding settings: conf/decode/<PRESET>.yaml (default, chain, lookup_only) or a YAML file")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override one decoding setting, e.g. tree.depth=6 or sampling.temperature=0.7 (repeatable)")
+    p.add_argument("--stock-linears", action="store_true",
+                   help="keep torch's nn.Linear forms (default: the fastest measured GEMM form per token count on "
+                   "CPU, for every method; see lyanna_train/runtime/small_linear.py)")
     p.add_argument("--threads", type=int, metavar="N", help="torch CPU threads (default: torch's choice); a busy "
                    "machine is faster with fewer threads than cores")
 
 
-def load_models(draft_dir: str | None, target_spec: str | None, need_draft: bool = True, threads: int | None = None):
+def load_models(draft_dir: str | None, target_spec: str | None, need_draft: bool = True, threads: int | None = None,
+                small_linears: bool = True):
     """(target, tokenizer, draft or None): the target is the one the draft was exported for
-    unless ``target_spec`` says otherwise (the loader then checks its fingerprint)."""
+    unless ``target_spec`` says otherwise (the loader then checks its fingerprint). With
+    ``small_linears`` a CPU target's linears take the fastest GEMM form per token count,
+    chosen by timing its forwards here (a few seconds, before any clock starts)."""
     import torch
     from transformers.utils import logging as hf_logging
 
     from ..errors import LyannaError
     from ..export.loader import load_exported, read_manifest
     from ..target.loading import load_tokenizer
+    from ..runtime.cost import use_measured_linears
     from ..target.model import load_target_model
 
     if threads is not None:
@@ -58,6 +65,8 @@ def load_models(draft_dir: str | None, target_spec: str | None, need_draft: bool
     finally:
         hf_logging.enable_progress_bar()
     draft = load_exported(draft_dir, target, tokenizer)[0] if draft_dir is not None and need_draft else None
+    if small_linears:
+        use_measured_linears(target, draft)
     return target, tokenizer, draft
 
 
@@ -152,7 +161,8 @@ def main(argv: list[str]) -> int:
         raise LyannaError("--max-new-tokens must be at least 1")
     settings = load_decode_settings(args.decode, args.overrides)
     questions = read_prompts(args)
-    target, tokenizer, draft = load_models(args.draft, args.target, settings.tree.depth > 0, args.threads)
+    target, tokenizer, draft = load_models(args.draft, args.target, settings.tree.depth > 0, args.threads,
+                                           not args.stock_linears)
     mark = ("colour" if sys.stdout.isatty() else "brackets") if args.show_acceptance else None
     total = sum(len(q.turns) for q in questions)
     done = 0

@@ -19,6 +19,8 @@ it never evicts position t - size while t is still drafting.
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from ..models.draft_head import DraftHead
@@ -92,3 +94,26 @@ def draft_extend(draft: DraftHead, state: DraftState, aux: torch.Tensor, next_to
         state.pool.push(extra[:, :-1], extra_pos[:, :-1])
         state.pending = current[:, -1:]
     state.anchor_state, state.anchor_pos = fused[:, -1:], start + n - 1
+
+
+def draft_extend_timer(draft: DraftHead, context: int = 256, repeats: int = 3):
+    """-> time(n): seconds (best of ``repeats``) of :func:`draft_extend` over n anchors after
+    ``context`` cached ones, on random features (to choose the draft's GEMM forms)."""
+    state = DraftState(draft, capacity=context + 128)
+    vocab = draft.cfg.vocab_size
+    aux = torch.randn(1, context + 64, draft.fc.in_features, dtype=draft.fc.weight.dtype)
+    ids = torch.randint(0, vocab, (1, context + 64))
+    with torch.inference_mode():
+        draft_extend(draft, state, aux[:, :context], ids[:, :context], 0)
+
+    def time_extend(n: int) -> float:
+        best = float("inf")
+        with torch.inference_mode():
+            for _ in range(repeats):
+                start = time.perf_counter()
+                draft_extend(draft, state, aux[:, context:context + n], ids[:, context:context + n], context)
+                best = min(best, time.perf_counter() - start)
+                state.length = context  # forget the timed anchors
+        return best
+
+    return time_extend

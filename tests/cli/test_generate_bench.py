@@ -178,21 +178,33 @@ def test_lossless_check_detects_a_corrupted_output(records):
     report = B.lossless_report(bad)
     assert not report["identical"] and report["methods"]["lookup"]["mismatches"] == 0
     assert report["methods"]["lyanna"] == {"mismatches": 1, "first": {"question_id": 2, "turn": 2, "position": 5,
-                                                                      "lengths": [12, 12]}}
+                                                                      "lengths": [12, 12]}, "verdict": True}
     assert report["methods"]["pld"]["first"]["position"] == 9
     lines = B.lossless_lines(report)
     assert lines[0] == "lossless: NO" and any("lyanna: 1/4 prompts differ" in x and "token 5" in x for x in lines)
     assert not B.lossless_report({"lyanna": records["lyanna"]})["checked"]
 
 
+def test_stock_linears_are_reported_but_not_judged(records):
+    """``stock`` is the same target with torch's own GEMM forms: float noise, not a bug."""
+    with_stock = copy.deepcopy(records)
+    with_stock["stock"] = copy.deepcopy(records["target"])
+    assert B.lossless_lines(B.lossless_report(with_stock)) == ["lossless: yes (4/4 prompts identical)"]
+    with_stock["stock"][0]["choices"][0]["token_ids"][0][3] += 1
+    report = B.lossless_report(with_stock)
+    assert report["identical"] and report["methods"]["stock"]["mismatches"] == 1
+    lines = B.lossless_lines(report)
+    assert lines[0] == "lossless: yes (4/4 prompts identical)" and "stock: 3/4 prompts identical" in lines[1]
+
+
 def test_bench_cli_writes_results_and_exit_status(tmp_path, export_dir, prompts_file, capsys, monkeypatch):
     argv = ["--draft", str(export_dir), "--prompts", str(prompts_file), "--max-new-tokens", "8", "--threads", "1",
-            "--methods", "target,pld,lyanna,lookup", "--out", str(tmp_path / "out")]
+            "--methods", "target,stock,pld,lyanna,lookup", "--out", str(tmp_path / "out")]
     assert bench_main(argv) == 0
     out = capsys.readouterr().out
     assert "| method | new tokens | tok/s | speedup |" in out and "lossless: yes (4/4 prompts identical)" in out
     files = {p.name for p in (tmp_path / "out").iterdir()}
-    assert files == {"target.jsonl", "pld.jsonl", "lyanna.jsonl", "lookup.jsonl", "summary.json", "summary.md",
+    assert files == {"target.jsonl", "stock.jsonl", "pld.jsonl", "lyanna.jsonl", "lookup.jsonl", "summary.json", "summary.md",
                      "bench.png"}
     summary = json.loads((tmp_path / "out" / "summary.json").read_text())
     assert summary["lossless"]["identical"] and summary["methods"]["target"]["speedup"] == 1.0

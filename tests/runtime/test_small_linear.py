@@ -1,0 +1,101 @@
+"""Small-batch linears: every form and padding computes F.linear's product, the choice
+follows the timings, the swap is reversible, and decoding through them stays lossless."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from lyanna_train.runtime import decode
+from lyanna_train.runtime.cost import measured_cost, use_measured_linears
+from lyanna_train.runtime.decode import DecodeSettings, LookupSettings
+from lyanna_train.runtime.draft_tree import TreeShape
+from lyanna_train.runtime.small_linear import (FORMS, MAX_ROWS, SmallBatchLinear, choose_forms, small_batch_forms,
+                                               use_small_batch_linears)
+
+from .conftest import LAYER_IDS, greedy_reference, make_draft
+
+
+@pytest.mark.parametrize("form", list(FORMS))
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("rows,padded", [(1, 1), (1, 2), (3, 4), (5, 8), (7, 7)])
+def test_every_form_and_padding_computes_the_linear_product(form, bias, rows, padded):
+    torch.manual_seed(0)
+    layer = torch.nn.Sequential(torch.nn.Linear(37, 53, bias=bias))
+    forms = use_small_batch_linears(layer)
+    forms[rows] = (form, padded)
+    x = torch.randn(1, rows, 37)
+    with torch.inference_mode():
+        got = layer(x)
+    assert type(layer[0]) is SmallBatchLinear and got.shape == (1, rows, 53)
+    torch.testing.assert_close(got, F.linear(x, layer[0].weight, layer[0].bias), rtol=1e-5, atol=1e-5)
+
+
+def test_training_and_large_batches_take_plain_linear(monkeypatch):
+    layer = torch.nn.Sequential(torch.nn.Linear(8, 4))
+    forms = use_small_batch_linears(layer)
+    forms[:] = [("weight_stationary", MAX_ROWS)] * (MAX_ROWS + 1)
+    monkeypatch.setitem(FORMS, "weight_stationary", lambda *a: pytest.fail("the tuned form ran"))
+    x = torch.randn(2, 8, requires_grad=True)
+    layer(x).sum().backward()  # gradients on: F.linear
+    assert x.grad is not None
+    with torch.inference_mode():
+        layer(torch.randn(MAX_ROWS + 1, 8))  # past MAX_ROWS: F.linear
+
+
+def test_the_swap_keeps_the_weights_and_is_reversible(tiny_target):
+    model = copy.deepcopy(tiny_target)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    forms = use_small_batch_linears(model)
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    assert linears and all(type(m) is SmallBatchLinear and m.forms is forms for m in linears)
+    assert small_batch_forms(model) is forms
+    assert model.state_dict().keys() == before.keys()
+    use_small_batch_linears(model, enabled=False)
+    assert all(type(m) is torch.nn.Linear and not hasattr(m, "forms") for m in linears)
+    assert small_batch_forms(model) is None
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+
+
+def test_choice_follows_the_timings_and_pads_to_cheaper_counts():
+    # "linear" is fast at 1 row only; weight_stationary is cheapest at 2, 4 and 8 rows
+    costs = {("linear", 1): 3.0, ("weight_stationary", 1): 5.0, ("linear", 2): 6.0, ("weight_stationary", 2): 2.0,
+             ("linear", 3): 6.0, ("weight_stationary", 3): 4.0, ("linear", 4): 7.0, ("weight_stationary", 4): 2.5,
+             ("linear", 8): 9.0, ("weight_stationary", 8): 4.5}
+    forms = [("linear", r) for r in range(MAX_ROWS + 1)]
+    seen = []
+
+    def time_forward(rows):
+        seen.append((forms[rows], rows))
+        return costs[forms[rows][0], rows]
+
+    seconds = choose_forms(forms, time_forward, (1, 2, 3, 4, 8))
+    assert {(f, r) for (f, _), r in seen} == set(costs)  # each form timed at each count, unpadded
+    assert forms[1] == ("weight_stationary", 2)  # 1 row padded to 2 beats both 1-row forms
+    assert forms[3] == ("weight_stationary", 4)  # 3 rows: padding to 4 (2.5) beats 4.0
+    assert forms[5] == forms[8] == ("weight_stationary", 8)  # unmeasured counts pad up
+    assert forms[9] == ("linear", 9)  # past the largest measured count: untouched
+    assert seconds == [2.0, 2.0, 2.5, 2.5, 4.5]
+    with pytest.raises(ValueError, match="start at 1"):
+        choose_forms(forms, time_forward, (2, 4))
+
+
+def test_decoding_through_measured_linears_is_lossless(tiny_target):
+    target = copy.deepcopy(tiny_target)
+    draft = make_draft(target, pool=True)
+    expected = greedy_reference(target, [1, 17, 200, 5, 99], 24)
+    cost = use_measured_linears(target, draft)
+    assert cost is measured_cost(target) and small_batch_forms(target) is not None
+    assert small_batch_forms(draft) is not None and small_batch_forms(draft) is not small_batch_forms(target)
+    # whatever this machine chose, run the tuned forms (padded where it can) in both models
+    for forms in (small_batch_forms(target), small_batch_forms(draft)):
+        forms[1:] = [("weight_stationary", max(2, r + r % 2)) for r in range(1, MAX_ROWS + 1)]
+    assert greedy_reference(target, [1, 17, 200, 5, 99], 24) == expected  # the baseline sees them too
+    settings = DecodeSettings(TreeShape(3, 2, 2, 6), LookupSettings(4), verify="all")
+    out = decode.generate(target, draft, [1, 17, 200, 5, 99], 24, settings, eos_ids=(), layer_ids=LAYER_IDS)
+    assert out.tokens == expected
+    with pytest.raises(ValueError, match="previous linears"):
+        use_measured_linears(target)
