@@ -68,20 +68,24 @@ def best_count(probs: Sequence[float], cost: VerifyCost) -> int:
     return best
 
 
+POOL = 0  # the "n-gram length" under which pool candidates (:mod:`.pool_lookup`) are counted
+
+
 class AcceptanceEstimates:
     """Each candidate's chance to be accepted, learned from what the target confirms.
 
     Draft candidates: their cumulative draft probability (EAGLE-2's observation: a draft's
     confidence tracks acceptance) scaled by confirmed / predicted over the verified ones
     (a head trained on other text is overconfident). Lookup candidates: a geometric rate
-    per matched n-gram length, the MLE of "the next lookup token is right" (prior 1/2).
+    per matched n-gram length, the MLE of "the next lookup token is right" (prior 1/2);
+    pool candidates are counted as length ``POOL``.
     """
 
     def __init__(self):
         self.draft = [1.0, 1.0]  # [draft candidates confirmed, their summed draft probabilities]
         self.guesses: dict[tuple, float] = {}  # this iteration's draft paths (tokens) -> raw probability
         self.lookup: dict[int, list[int]] = {}  # n-gram length -> [tokens confirmed, chains broken]
-        self.proposal: tuple[int, list[int]] = (0, [])  # this iteration's (n-gram length, continuation)
+        self.proposals: list[tuple[int, list[int]]] = []  # this iteration's (n-gram length, continuation)
 
     def draft_scale(self) -> float:
         return self.draft[0] / self.draft[1]
@@ -103,7 +107,8 @@ class AcceptanceEstimates:
         return [rate ** (j + 1) for j in range(length)]
 
     def proposed_lookup(self, n: int, continuation: list[int]) -> None:
-        self.proposal = (n, continuation)
+        if continuation:
+            self.proposals.append((n, continuation))
 
     def update(self, verified, new: list[int]) -> None:
         """After a verify: ``verified`` is the tree the target scored, ``new`` the tokens it emitted."""
@@ -112,15 +117,14 @@ class AcceptanceEstimates:
             if path in self.guesses:
                 self.draft[1] += self.guesses[path]
                 self.draft[0] += list(path) == new[:len(path)]
-        n, follow = self.proposal
-        if n:
+        for n, follow in self.proposals:
             right = 0
             while right < min(len(follow), len(new)) and follow[right] == new[right]:
                 right += 1
             counts = self.lookup.setdefault(n, [1, 1])
             counts[0] += right
             counts[1] += right < min(len(follow), len(new))
-        self.guesses, self.proposal = {}, (0, [])
+        self.guesses, self.proposals = {}, []
 
 
 _measured: "weakref.WeakKeyDictionary[torch.nn.Module, VerifyCost]" = weakref.WeakKeyDictionary()

@@ -52,7 +52,7 @@ def crop_cache(cache: DynamicCache, length: int) -> None:
 
 
 def verify_tree(target, capture: LayerCapture | None, cache: DynamicCache, tokens: torch.Tensor, depths: torch.Tensor,
-                mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """ONE target forward over a token tree appended after ``cache``.
 
     tokens, depths [1, N] (node 0 is the last accepted token, depth 0), mask

@@ -108,6 +108,7 @@ def test_decode_presets_and_overrides():
     assert (default.tree.depth, default.tree.branch, default.tree.beam, default.tree.max_nodes) == (2, 3, 1, 6)
     assert default.verify == "auto" and load_decode_settings("chain").verify == "all"
     assert (default.lookup.max_tokens, default.lookup.max_ngram, default.lookup.branches) == (10, 3, 1)
+    assert default.lookup.pool_tokens == 10 and load_decode_settings("chain").lookup.pool_tokens == 0
     assert default.sampling.greedy and default.sampling.top_p == 1.0 and default.seed == 0
     chain = load_decode_settings("chain")
     assert (chain.tree.branch, chain.tree.beam, chain.tree.max_nodes, chain.lookup.max_tokens) == (1, 1, 5, 0)

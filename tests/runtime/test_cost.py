@@ -42,6 +42,14 @@ def test_acceptance_estimates_learn_from_what_the_target_confirms():
     est.proposed_lookup(2, [5, 6, 7, 8])
     est.update(TokenTree.rooted_at(1), [5, 6, 7, 9])
     assert est.lookup_rate(2) == (1 + 3) / (1 + 3 + 1 + 1) and est.lookup_rate(3) == 0.5
+    # lookup and pool proposals in the same iteration are counted apart
+    from lyanna_train.runtime.cost import POOL
+    est.proposed_lookup(3, [5, 0])
+    est.proposed_lookup(POOL, [5, 6])
+    est.proposed_lookup(1, [])  # nothing proposed: nothing counted
+    est.update(TokenTree.rooted_at(1), [5, 6, 7])
+    assert est.lookup_rate(3) == (1 + 1) / (1 + 1 + 1 + 1) and est.lookup_rate(POOL) == (1 + 2) / (1 + 2 + 1)
+    assert 1 not in est.lookup and est.proposals == []
     # draft candidates 0.9 (right) and 0.8 (wrong): confirmed 1 of 1.7 predicted
     tree = TokenTree.rooted_at(1)
     nodes = [tree.add(0, 5, 0.9), tree.add(0, 4, 0.8)]

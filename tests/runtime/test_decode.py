@@ -42,13 +42,14 @@ def chain(depth: int) -> DecodeSettings:
 def test_lossless_against_target_generate(tiny_target, pool, shape, lookup):
     draft = make_draft(tiny_target, pool)
     for prompt in PROMPTS:
-        out = decode.generate(tiny_target, draft, prompt, MAX_NEW, settings(SHAPES[shape], LookupSettings(lookup, branches=2)),
+        free = LookupSettings(lookup, branches=2, pool_tokens=lookup)  # prompt lookup and pool candidates
+        out = decode.generate(tiny_target, draft, prompt, MAX_NEW, settings(SHAPES[shape], free),
                               eos_ids=(), layer_ids=LAYER_IDS)
         assert out.tokens == greedy_reference(tiny_target, prompt, MAX_NEW)
         assert out.target_forwards == 1 + len(out.accept_lengths) == 1 + len(out.tree_sizes)
         assert 1 + sum(out.accept_lengths) >= len(out.tokens) > sum(out.accept_lengths)  # only the last is cut
         assert all(1 <= tau <= size for tau, size in zip(out.accept_lengths, out.tree_sizes))
-        assert all(size <= 1 + SHAPES[shape].max_nodes + 2 * lookup for size in out.tree_sizes)
+        assert all(size <= 1 + SHAPES[shape].max_nodes + 3 * lookup for size in out.tree_sizes)
 
 
 def test_prompt_lookup_alone_is_lossless_and_accepts_on_repetition():

@@ -1,0 +1,35 @@
+"""Pool candidates: what followed the most similar earlier state, proposed for free.
+
+The state pool already holds the draft's step-0 state of every recent anchor. When the
+current anchor's own step-0 state is close (cosine ≥ the pool's threshold) to the one of
+an earlier anchor p, the text may be repeating itself in meaning, not only in surface
+n-grams: the tokens that followed p (x_{p+2}, x_{p+3}, ...) are proposed as the
+continuation, beside the draft's and prompt lookup's candidates, and verified in the
+same forward. It costs one similarity row over the pool per iteration.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .draft_step import DraftState
+
+
+def pool_continuation(state: DraftState, context: torch.Tensor, length: int, max_tokens: int,
+                      threshold: float) -> list[int]:
+    """-> up to ``max_tokens`` ids following the pooled anchor most similar to the current
+    anchor (its window is the training one, [t - size, t - 1]); [] when none reaches
+    ``threshold``. context [≥ length]: the accepted ids x_0..x_{length-1}."""
+    pool, query = state.pool, state.pending
+    if pool is None or query is None or max_tokens < 1:
+        return []
+    allowed = pool.window(torch.tensor([[state.anchor_pos]], device=pool.positions.device))[0, 0]  # [S]
+    if not bool(allowed.any()):
+        return []
+    sims = F.cosine_similarity(query[0].float(), pool.states[0].float(), dim=-1).masked_fill(~allowed, -2.0)
+    best = int(sims.argmax())
+    if float(sims[best]) < threshold:
+        return []
+    start = int(pool.positions[0, best]) + 2  # anchor p's state predicts x_{p+2}
+    return context[start:min(start + max_tokens, length)].tolist()
