@@ -105,7 +105,7 @@ def records(target, tokenizer, export_dir):
 
 def test_decode_presets_and_overrides():
     default = load_decode_settings("default")
-    assert (default.tree.depth, default.tree.branch, default.tree.beam, default.tree.max_nodes) == (2, 3, 1, 6)
+    assert (default.tree.depth, default.tree.branch, default.tree.beam, default.tree.max_nodes) == (1, 3, 1, 6)
     assert default.verify == "auto" and load_decode_settings("chain").verify == "all"
     assert (default.lookup.max_tokens, default.lookup.max_ngram, default.lookup.branches) == (10, 3, 1)
     assert default.lookup.pool_tokens == 10 and load_decode_settings("chain").lookup.pool_tokens == 0
@@ -209,7 +209,7 @@ def test_bench_cli_writes_results_and_exit_status(tmp_path, export_dir, prompts_
                      "bench.png"}
     summary = json.loads((tmp_path / "out" / "summary.json").read_text())
     assert summary["lossless"]["identical"] and summary["methods"]["target"]["speedup"] == 1.0
-    assert summary["decode"]["tree"]["depth"] == 2 and summary["environment"]["threads"] == 1
+    assert summary["decode"]["tree"]["depth"] == 1 and summary["environment"]["threads"] == 1
     assert len((tmp_path / "out" / "lyanna.jsonl").read_text().splitlines()) == 2
 
     real = B.runtime_method
