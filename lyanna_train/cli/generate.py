@@ -65,7 +65,9 @@ def load_models(draft_dir: str | None, target_spec: str | None, need_draft: bool
     finally:
         hf_logging.enable_progress_bar()
     draft = load_exported(draft_dir, target, tokenizer)[0] if draft_dir is not None and need_draft else None
-    if small_linears:
+    if small_linears and target.device.type == "cpu":
+        print("timing the target's and the draft's linear forms per token count (~10 s; --stock-linears skips it)",
+              file=sys.stderr, flush=True)
         use_measured_linears(target, draft)
     return target, tokenizer, draft
 
