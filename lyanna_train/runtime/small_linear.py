@@ -5,9 +5,16 @@ On CPU, ``F.linear`` computes ``x @ W.T``; for 2..~16 rows MKL then packs the wh
 weight on every call (SmolLM2's 49,152-word LM head: 7 ms for 1 row, 13-16 ms for 2-8),
 and for 1 row it takes a matrix-vector path that, on weights streamed from memory, is
 slower than its GEMM. The same product written ``(W @ x.T).T`` packs only the small
-operand (the LM head: 2.5 ms for 2 or 4 rows), and 1 row padded to 2 takes that path too.
-Measured on SmolLM2, 2 cores: one target forward over 1 / 2 / 4 tokens takes 40 / 68 / 62
-ms with ``F.linear`` and 26 / 26 / 28 ms with the best form per row count.
+operand (the LM head: 2.5 ms for 2 or 4 rows), and 1 row padded to 2 takes that path too;
+past ~5 rows oneDNN's GEMM on the same dense weight (the op inductor's CPU linear fusion
+calls) grows slowest: the LM head 2.5 / 3.9 / 4.3 / 5.2 ms for 1 / 4 / 8 / 16 rows.
+Measured on SmolLM2, 2 cores (Zen 4), one target forward after 256 cached tokens, ms:
+
+    tokens                 1     2     4     8    16
+    F.linear              40    67    66    63    76
+    (W @ x.T).T           40    26    29    49    65
+    oneDNN                28    37    39    40    48
+    best form per count   26    26    29    40    48
 
 Which form wins depends on the machine, and timing one layer alone misleads (its weight
 stays in cache, unlike in a forward over the whole model), so :func:`choose_forms` times
@@ -37,8 +44,14 @@ def _weight_stationary(x2: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return torch.mm(weight, x2.T).T
 
 
+def _onednn(x2: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x2, weight, None, "none", [], "")
+
+
 FORMS: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
     "linear": _linear, "weight_stationary": _weight_stationary}
+if torch.backends.mkldnn.is_available():  # torch built without oneDNN: the two MKL forms only
+    FORMS["onednn"] = _onednn
 
 
 class SmallBatchLinear(torch.nn.Linear):

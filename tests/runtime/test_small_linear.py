@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from lyanna_train.runtime import decode
+from lyanna_train.runtime import decode, small_linear
 from lyanna_train.runtime.cost import measured_cost, use_measured_linears
 from lyanna_train.runtime.decode import DecodeSettings, LookupSettings
 from lyanna_train.runtime.draft_tree import TreeShape
@@ -60,11 +60,12 @@ def test_the_swap_keeps_the_weights_and_is_reversible(tiny_target):
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
 
 
-def test_choice_follows_the_timings_and_pads_to_cheaper_counts():
+def test_choice_follows_the_timings_and_pads_to_cheaper_counts(monkeypatch):
     # "linear" is fast at 1 row only; weight_stationary is cheapest at 2, 4 and 8 rows
     costs = {("linear", 1): 3.0, ("weight_stationary", 1): 5.0, ("linear", 2): 6.0, ("weight_stationary", 2): 2.0,
              ("linear", 3): 6.0, ("weight_stationary", 3): 4.0, ("linear", 4): 7.0, ("weight_stationary", 4): 2.5,
              ("linear", 8): 9.0, ("weight_stationary", 8): 4.5}
+    monkeypatch.setattr(small_linear, "FORMS", {"linear": F.linear, "weight_stationary": F.linear})
     forms = [("linear", r) for r in range(MAX_ROWS + 1)]
     seen = []
 
@@ -83,7 +84,8 @@ def test_choice_follows_the_timings_and_pads_to_cheaper_counts():
         choose_forms(forms, time_forward, (2, 4))
 
 
-def test_decoding_through_measured_linears_is_lossless(tiny_target):
+@pytest.mark.parametrize("form", [f for f in FORMS if f != "linear"])
+def test_decoding_through_measured_linears_is_lossless(tiny_target, form):
     target = copy.deepcopy(tiny_target)
     draft = make_draft(target, pool=True)
     expected = greedy_reference(target, [1, 17, 200, 5, 99], 24)
@@ -92,7 +94,7 @@ def test_decoding_through_measured_linears_is_lossless(tiny_target):
     assert small_batch_forms(draft) is not None and small_batch_forms(draft) is not small_batch_forms(target)
     # whatever this machine chose, run the tuned forms (padded where it can) in both models
     for forms in (small_batch_forms(target), small_batch_forms(draft)):
-        forms[1:] = [("weight_stationary", max(2, r + r % 2)) for r in range(1, MAX_ROWS + 1)]
+        forms[1:] = [(form, max(2, r + r % 2)) for r in range(1, MAX_ROWS + 1)]
     assert greedy_reference(target, [1, 17, 200, 5, 99], 24) == expected  # the baseline sees them too
     settings = DecodeSettings(TreeShape(3, 2, 2, 6), LookupSettings(4), verify="all")
     out = decode.generate(target, draft, [1, 17, 200, 5, 99], 24, settings, eos_ids=(), layer_ids=LAYER_IDS)
