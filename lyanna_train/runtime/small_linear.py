@@ -27,6 +27,7 @@ left alone (cuBLAS has no such cliff).
 
 from __future__ import annotations
 
+import weakref
 from contextlib import contextmanager
 from typing import Callable, Iterator
 
@@ -36,22 +37,44 @@ import torch.nn.functional as F
 MAX_ROWS = 32  # beyond this (prefill, training) F.linear is the right form
 
 
-def _linear(x2: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    return F.linear(x2, weight)
+def _linear(x2: torch.Tensor, layer: torch.nn.Linear) -> torch.Tensor:
+    return F.linear(x2, layer.weight)
 
 
-def _weight_stationary(x2: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    return torch.mm(weight, x2.T).T
+def _weight_stationary(x2: torch.Tensor, layer: torch.nn.Linear) -> torch.Tensor:
+    return torch.mm(layer.weight, x2.T).T
 
 
-def _onednn(x2: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    return torch.ops.mkldnn._linear_pointwise(x2, weight, None, "none", [], "")
+def _onednn(x2: torch.Tensor, layer: torch.nn.Linear) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x2, layer.weight, None, "none", [], "")
 
 
-FORMS: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
+# layer -> (weight version, the weight in oneDNN's blocked layout). Outside the module: an
+# opaque oneDNN tensor cannot be deep-copied or saved, and the state dict stays as it was.
+_packed: "weakref.WeakKeyDictionary[torch.nn.Linear, tuple[int, torch.Tensor]]" = weakref.WeakKeyDictionary()
+
+
+def packed_weight(layer: torch.nn.Linear) -> torch.Tensor:
+    """The layer's weight reordered once into oneDNN's blocked layout (redone if the weight
+    changed in place): no per-call reorder, so few rows stream it at full memory speed."""
+    version = layer.weight._version
+    entry = _packed.get(layer)
+    if entry is None or entry[0] != version:
+        with torch.inference_mode(False), torch.no_grad():
+            entry = version, torch.ops.mkldnn._reorder_linear_weight(layer.weight.detach(), 4)
+        _packed[layer] = entry
+    return entry[1]
+
+
+def _onednn_packed(x2: torch.Tensor, layer: torch.nn.Linear) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x2, packed_weight(layer), None, "none", [], "")
+
+
+FORMS: dict[str, Callable[[torch.Tensor, torch.nn.Linear], torch.Tensor]] = {
     "linear": _linear, "weight_stationary": _weight_stationary}
 if torch.backends.mkldnn.is_available():  # torch built without oneDNN: the two MKL forms only
     FORMS["onednn"] = _onednn
+    FORMS["onednn_packed"] = _onednn_packed
 
 
 class SmallBatchLinear(torch.nn.Linear):
@@ -71,7 +94,7 @@ class SmallBatchLinear(torch.nn.Linear):
         x2 = x.reshape(rows, x.shape[-1])
         if padded > rows:
             x2 = torch.cat([x2, x2[:1].expand(padded - rows, -1)])
-        y = FORMS[form](x2, self.weight)[:rows].contiguous()
+        y = FORMS[form](x2, self)[:rows].contiguous()
         if self.bias is not None:
             y = y + self.bias
         return y.reshape(*x.shape[:-1], self.out_features)
@@ -91,6 +114,7 @@ def use_small_batch_linears(model: torch.nn.Module, enabled: bool = True) -> lis
         elif not enabled and type(module) is SmallBatchLinear:
             module.__class__ = torch.nn.Linear
             del module.forms
+            _packed.pop(module, None)
     return forms if enabled else None
 
 

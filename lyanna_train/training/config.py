@@ -77,6 +77,9 @@ class TrainConf:
     keep_last: int = 2  # checkpoints kept
     resume: str = "auto"  # auto: latest complete checkpoint in out_dir; never; or a checkpoint path
     threads: Optional[int] = None  # torch CPU threads per rank (None = torch's default)
+    # the draft's forward and losses under torch.autocast in this dtype (master weights and
+    # optimizer stay fp32); bfloat16 trains ~3x faster on CPUs with AVX512-BF16 / AMX
+    autocast: Optional[str] = None
 
 
 @dataclass
@@ -142,6 +145,8 @@ def validate(cfg) -> None:
         bad("deepspeed.zero_stage must be 0, 1 or 2 (the draft is small; stage 3 buys nothing)")
     if cfg.deepspeed.precision not in ("auto", "fp32", "bf16"):
         bad(f"deepspeed.precision must be auto, fp32 or bf16, not {cfg.deepspeed.precision!r}")
+    if cfg.train.autocast not in (None, "bfloat16", "float16"):
+        bad(f"train.autocast must be null, bfloat16 or float16, not {cfg.train.autocast!r}")
     if cfg.train.grad_accum < 1 or cfg.train.log_every < 1:
         bad("train.grad_accum and train.log_every must be at least 1")
     if cfg.train.max_steps is not None and cfg.train.max_steps < 1:

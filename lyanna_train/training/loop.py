@@ -111,12 +111,16 @@ def train(cfg, config_dict: dict | None = None) -> dict:
 
         bar = tqdm(total=total, initial=state["step"], unit="step", desc="training", dynamic_ncols=True)
     window: dict = {}
+    device_type = next(engine.module.parameters()).device.type
+    autocast = torch.autocast(device_type, dtype=getattr(torch, cfg.train.autocast or "float32"),
+                              enabled=cfg.train.autocast is not None)
     last_log, tokens_at_log = time.perf_counter(), state["tokens"]
     while state["step"] < total:
         plan = plan_epoch(lengths, cfg.data.batch_tokens, cfg.train.seed, state["epoch"], world, accum)[rank::world]
         while state["batch"] < len(plan) and state["step"] < total:
             batch = source(plan[state["batch"]])
-            loss, metrics = distill_loss(engine.module, batch, parts.lm_weight, cfg.loss)
+            with autocast:
+                loss, metrics = distill_loss(engine.module, batch, parts.lm_weight, cfg.loss)
             stepped = engine.backward_and_step(loss)
             state["batch"] += 1
             for k, v in metrics.items():

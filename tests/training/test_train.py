@@ -130,3 +130,24 @@ def test_online_features_train_like_cached(tmp_path, tiny_target_dir, tiny_corpu
     assert sorted(losses["online"]) == [1, 2]
     # bf16 cached features vs fp32 online features: close, not equal
     assert losses["online"][1] == pytest.approx(losses["cached"][1], rel=0.05)
+
+
+def test_bf16_target_and_autocast_train_close_to_fp32(tmp_path, tiny_target_dir, tiny_corpus):
+    """The CPU recipe's fast path: features from a bf16 target, the draft under bf16 autocast
+    (fp32 weights). Same first loss as fp32 up to bf16 rounding; the eval decodes with it."""
+    losses = {}
+    for name, extra in (("fp32", ()), ("bf16", ("target.dtype=bfloat16", "train.autocast=bfloat16"))):
+        out = tmp_path / name
+        result = train(compose(tiny_overrides(tiny_target_dir, tiny_corpus, out, *TINY, "train.max_steps=2",
+                                              "eval.num_prompts=1", *extra)))
+        losses[name] = _losses(out)
+        assert result["eval/mean_tau"] >= 1.0
+    assert sorted(losses["bf16"]) == [1, 2]
+    assert losses["bf16"][1] == pytest.approx(losses["fp32"][1], rel=0.05)
+    assert losses["bf16"][1] != losses["fp32"][1]  # it did run in bf16
+
+
+def test_unknown_autocast_dtype_is_one_line(tmp_path, tiny_target_dir, tiny_corpus):
+    cfg = compose(tiny_overrides(tiny_target_dir, tiny_corpus, tmp_path / "out", *TINY, "train.autocast=int8"))
+    with pytest.raises(LyannaError, match="train.autocast must be"):
+        train(cfg)
