@@ -25,7 +25,7 @@ import torch
 from transformers import DynamicCache
 
 from .draft_step import draft_extend_timer
-from .small_linear import choose_forms, small_batch_forms, use_small_batch_linears
+from .small_linear import choose_forms, release_unused_packing, small_batch_forms, use_small_batch_linears
 from .target_step import target_forward
 
 SIZES = tuple(range(1, 17)) + (20, 24, 28, 32, 48, 64)
@@ -156,6 +156,7 @@ def measured_cost(target, context: int = 256, repeats: int = 3) -> VerifyCost:
             forms = small_batch_forms(target)
             if forms is not None:
                 seconds = choose_forms(forms, time_forward, SIZES)
+                release_unused_packing(target)
             else:
                 seconds = [time_forward(n) for n in SIZES]
         _measured[target] = VerifyCost(SIZES, seconds)
@@ -177,4 +178,5 @@ def use_measured_linears(target, draft=None) -> VerifyCost | None:
     forms = use_small_batch_linears(draft) if draft is not None else None
     if forms is not None:
         choose_forms(forms, draft_extend_timer(draft), DRAFT_SIZES)
+        release_unused_packing(draft)
     return cost

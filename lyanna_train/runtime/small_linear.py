@@ -5,16 +5,18 @@ On CPU, ``F.linear`` computes ``x @ W.T``; for 2..~16 rows MKL then packs the wh
 weight on every call (SmolLM2's 49,152-word LM head: 7 ms for 1 row, 13-16 ms for 2-8),
 and for 1 row it takes a matrix-vector path that, on weights streamed from memory, is
 slower than its GEMM. The same product written ``(W @ x.T).T`` packs only the small
-operand (the LM head: 2.5 ms for 2 or 4 rows), and 1 row padded to 2 takes that path too;
-past ~5 rows oneDNN's GEMM on the same dense weight (the op inductor's CPU linear fusion
-calls) grows slowest: the LM head 2.5 / 3.9 / 4.3 / 5.2 ms for 1 / 4 / 8 / 16 rows.
+operand (the LM head: 2.5 ms for 2 or 4 rows), and 1 row padded to 2 takes that path too.
+oneDNN's GEMM (the op inductor's CPU linear fusion calls) grows slowest with the rows, and
+fastest of all when the weight is reordered once into its blocked layout ("packed", kept
+beside the module: the state dict does not change, the memory for weights doubles).
 Measured on SmolLM2, 2 cores (Zen 4), one target forward after 256 cached tokens, ms:
 
     tokens                 1     2     4     8    16
-    F.linear              40    67    66    63    76
-    (W @ x.T).T           40    26    29    49    65
-    oneDNN                28    37    39    40    48
-    best form per count   26    26    29    40    48
+    F.linear              40    71    63    71    84
+    (W @ x.T).T           42    27    31    53    71
+    oneDNN                31    37    39    44    50
+    oneDNN, packed        20    24    25    32    37
+    best form per count   20    24    25    30    37   (padding: 7 and 8 run as 9)
 
 Which form wins depends on the machine, and timing one layer alone misleads (its weight
 stays in cache, unlike in a forward over the whole model), so :func:`choose_forms` times
@@ -134,6 +136,14 @@ def stock_linears(model: torch.nn.Module) -> Iterator[None]:
 def small_batch_forms(model: torch.nn.Module) -> list[tuple[str, int]] | None:
     """The form list of a model set up by :func:`use_small_batch_linears` (None otherwise)."""
     return next((m.forms for m in model.modules() if type(m) is SmallBatchLinear), None)
+
+
+def release_unused_packing(model: torch.nn.Module) -> None:
+    """Drop the packed weight copies of ``model`` if its chosen forms never use them."""
+    forms = small_batch_forms(model)
+    if forms is None or all(form != "onednn_packed" for form, _ in forms):
+        for module in model.modules():
+            _packed.pop(module, None)
 
 
 def choose_forms(forms: list[tuple[str, int]], time_forward: Callable[[int], float], sizes) -> list[float]:

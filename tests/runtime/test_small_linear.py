@@ -13,8 +13,8 @@ from lyanna_train.runtime import decode, small_linear
 from lyanna_train.runtime.cost import measured_cost, use_measured_linears
 from lyanna_train.runtime.decode import DecodeSettings, LookupSettings
 from lyanna_train.runtime.draft_tree import TreeShape
-from lyanna_train.runtime.small_linear import (FORMS, MAX_ROWS, SmallBatchLinear, choose_forms, small_batch_forms,
-                                               use_small_batch_linears)
+from lyanna_train.runtime.small_linear import (FORMS, MAX_ROWS, SmallBatchLinear, choose_forms, release_unused_packing,
+                                               small_batch_forms, use_small_batch_linears)
 
 from .conftest import LAYER_IDS, greedy_reference, make_draft
 
@@ -101,3 +101,23 @@ def test_decoding_through_measured_linears_is_lossless(tiny_target, form):
     assert out.tokens == expected
     with pytest.raises(ValueError, match="previous linears"):
         use_measured_linears(target)
+
+
+@pytest.mark.skipif("onednn_packed" not in FORMS, reason="torch built without oneDNN")
+def test_packed_weights_follow_the_weight_and_are_released():
+    torch.manual_seed(0)
+    layer = torch.nn.Sequential(torch.nn.Linear(16, 8))
+    forms = use_small_batch_linears(layer)
+    forms[2] = ("onednn_packed", 2)
+    x = torch.randn(2, 16)
+    with torch.inference_mode():
+        torch.testing.assert_close(layer(x), F.linear(x, layer[0].weight, layer[0].bias), rtol=1e-5, atol=1e-5)
+    with torch.no_grad():
+        layer[0].weight.mul_(2)  # an in-place change re-packs
+    with torch.inference_mode():
+        torch.testing.assert_close(layer(x), F.linear(x, layer[0].weight, layer[0].bias), rtol=1e-5, atol=1e-5)
+    release_unused_packing(layer)
+    assert layer[0] in small_linear._packed  # still chosen for 2 rows: kept
+    forms[2] = ("linear", 2)
+    release_unused_packing(layer)
+    assert layer[0] not in small_linear._packed
