@@ -26,9 +26,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-prompts", type=int, default=0, help="N questions spread evenly over the set (default: all)")
     p.add_argument("--turns", type=int, choices=(1, 2), default=2, help="turns per question (default 2)")
     p.add_argument("--max-new-tokens", type=int, default=128, help="per turn (default 128)")
-    p.add_argument("--methods", default="target,stock,pld,lyanna",
-                   help="comma-separated: target, stock (target.generate with torch's own nn.Linear), pld, lyanna, "
-                   "lookup")
+    p.add_argument("--methods", default="target,pld,lyanna",
+                   help="comma-separated, default target,pld,lyanna; also stock (target.generate with torch's own "
+                   "nn.Linear: an unmodified transformers, the slowest) and lookup (our runtime, prompt lookup only)")
     p.add_argument("--pld-tokens", type=int, default=10, help="prompt_lookup_num_tokens for pld (default 10)")
     p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=True,
                    help="render prompts with the tokenizer's chat template (default on)")

@@ -3,8 +3,8 @@ candidate's estimated chance of acceptance (:class:`AcceptanceEstimates`).
 
 On a GPU a target forward costs about the same for 1 or 64 tokens, so every candidate is
 worth verifying. On a CPU it does not: with SmolLM2 on 2 cores and the measured linear
-forms (:mod:`.small_linear`), 1, 2 or 4 tokens take ~26-29 ms but 8 take ~51 and 16 ~64
-(torch's own linears: 39, 68, 62, 60, 72 ms). So the runtime measures the target's
+forms (:mod:`.small_linear`), 1 token takes ~20 ms, 2-5 ~24, 8 ~30 and 16 ~37
+(torch's own linears: 40, 71, 63, 71, 84 ms for 1, 2, 4, 8, 16). So the runtime measures the target's
 forward time per number of tokens once, and each iteration verifies the ``n`` most
 probable candidates that maximise
 

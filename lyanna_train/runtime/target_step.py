@@ -66,11 +66,13 @@ def verify_tree(target, capture: LayerCapture | None, cache: DynamicCache, token
 
 def keep_cache_positions(cache: DynamicCache, past: int, kept: list[int]) -> None:
     """After a tree verify: keep positions 0..past-1 and then tree nodes ``kept`` (offsets
-    from ``past``, increasing), so the cache holds the accepted path in order."""
-    if kept == list(range(len(kept))):  # a prefix (always the case for chains): a crop is enough
-        crop_cache(cache, past + len(kept))
-        return
-    index = torch.cat([torch.arange(past), past + torch.tensor(kept)])
-    for layer in cache.layers:
-        layer.keys = layer.keys.index_select(-2, index.to(layer.keys.device))
-        layer.values = layer.values.index_select(-2, index.to(layer.values.device))
+    from ``past``, increasing), so the cache holds the accepted path in order. Only the
+    kept nodes move (into slots past..), then the cache is cropped: the cost does not grow
+    with the context, as a gather over the whole cache would."""
+    if kept != list(range(len(kept))):  # not a prefix of the node order (never for chains)
+        index = past + torch.tensor(kept)
+        for layer in cache.layers:
+            for name in ("keys", "values"):
+                t = getattr(layer, name)
+                t[..., past:past + len(kept), :] = t.index_select(-2, index.to(t.device))
+    crop_cache(cache, past + len(kept))
