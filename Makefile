@@ -23,7 +23,7 @@ install: $(STAMP)
 
 # The whole pipeline on the embedded default: hot vocabulary (coverage table), target
 # features, distillation (with the draft's acceptance on MT-Bench), export, and the speed
-# benchmark against target-only and prompt-lookup decoding (~36 minutes on 2 CPU cores).
+# benchmark against target-only and prompt-lookup decoding (~34 minutes on 2 CPU cores).
 RUN := checkpoints/smollm2_135m
 demo: install
 	WANDB_MODE=offline $(BIN)/lyanna-train +recipe=smollm2_135m
