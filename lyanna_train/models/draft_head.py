@@ -46,6 +46,8 @@ class DraftHead(nn.Module):
             raise ValueError(f"{len(hot_ids)} hot ids for draft_vocab_size {cfg.draft_vocab_size}")
         self.register_buffer("d2t", hot_ids - torch.arange(len(hot_ids)))
         self.register_buffer("t2d", torch.zeros(cfg.vocab_size, dtype=torch.bool).scatter_(0, hot_ids, True))
+        if cfg.aux_scale:  # set from data by the trainer (training.setup); 1 = the plain EAGLE-3 fc
+            self.register_buffer("aux_scale", torch.ones(cfg.num_aux_layers * cfg.target_hidden_size))
         # The target's own embeddings, frozen and not part of the draft's weights.
         self.register_buffer("embed_weight", target_embeddings.detach().clone(), persistent=False)
 
@@ -56,6 +58,13 @@ class DraftHead(nn.Module):
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         e = nn.functional.embedding(input_ids, self.embed_weight).to(self.fc.weight.dtype)
         return self.embed_proj(e) if self.embed_proj is not None else e
+
+    def project_aux(self, aux: torch.Tensor) -> torch.Tensor:
+        """The target's features [.., k·Ht] -> the draft's first state [.., H] (``fc``)."""
+        aux = aux.to(self.fc.weight.dtype)
+        if self.cfg.aux_scale:
+            aux = aux * self.aux_scale.to(aux.dtype)
+        return self.fc(aux)
 
     def pool_fuse(self, current: torch.Tensor, similarity: torch.Tensor, retrieved: torch.Tensor):
         """(fused [B, T, H], α [B, T], hit [B, T]) from a retrieval result."""
@@ -79,7 +88,7 @@ class DraftHead(nn.Module):
         embeds = self.embed(input_ids)
         positions = torch.arange(t, device=aux.device).expand(b, t)
         causal = torch.ones(t, t, dtype=torch.bool, device=aux.device).tril()
-        hidden = self.fc(aux.to(self.fc.weight.dtype))
+        hidden = self.project_aux(aux)
         keys, values, outputs, step0 = [], [], [], None
         for j in range(steps):
             shifted = torch.zeros_like(embeds)
