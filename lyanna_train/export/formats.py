@@ -51,7 +51,7 @@ _CORE = (  # the EAGLE-3 layout, named as SGLang and vLLM name it
     "midlayer.mlp.gate_proj.weight", "midlayer.mlp.up_proj.weight", "midlayer.mlp.down_proj.weight",
     "norm.weight", "lm_head.weight", "d2t", "t2d",
 )
-_LYANNA_ONLY = ("embed_proj.weight", "gate.proj.weight", "gate.proj.bias", "gate.out.weight", "gate.out.bias")
+_LYANNA_ONLY = ("embed_proj.weight", "input_norm.weight", "gate.proj.weight", "gate.proj.bias", "gate.out.weight", "gate.out.bias")
 
 # DraftHead state-dict name -> name in the export; None: not part of that format.
 NAMES: dict[str, dict[str, str | None]] = {
@@ -120,6 +120,10 @@ def check_eagle3(cfg: DraftConfig) -> None:
                           f"{cfg.target_hidden_size}): SGLang and vLLM feed it the target's embeddings")
     if cfg.num_aux_layers != 3:
         raise LyannaError(f"the eagle3 format fuses exactly 3 target layers, this draft fuses {cfg.num_aux_layers}")
+    if cfg.norm_before_fc or cfg.norm_output:
+        raise LyannaError("this draft normalises its features before fc or its state between steps "
+                          "(norm_before_fc / norm_output), which a plain EAGLE-3 config cannot express: "
+                          "export it in the lyanna format")
     if list(cfg.aux_layer_ids) != sorted(cfg.aux_layer_ids):  # engines capture layers in model order
         raise LyannaError(f"the eagle3 engines fuse target layers in ascending order; this draft was trained on "
                           f"{list(cfg.aux_layer_ids)} in another order")

@@ -28,6 +28,8 @@ class DraftConfig:
     # vLLM and speculators read): the target's outlier dimensions then never enter the residual
     norm_before_residual: bool = False
     aux_scale: bool = False  # a fixed per-dimension scale on the target features before fc (folded into fc on export)
+    norm_before_fc: bool = False  # an RMSNorm over the concatenated features before fc (speculators' eagle3 default)
+    norm_output: bool = False  # the next step reads norm(state) instead of the state (speculators' eagle3 default)
     # Lyanna parts (each can be switched off for ablations)
     pool_size: int = 512  # states kept in the pool (0 = pool off); 128 minimum when on
     pool_threshold: float = 0.85  # cosine similarity needed to use a retrieved state

@@ -25,7 +25,7 @@ from .state_pool import retrieve_causal
 @dataclass
 class StepOutput:
     logits: torch.Tensor  # [B, T, draft_vocab (+1 with the other bucket)]
-    hidden: torch.Tensor  # [B, T, H] fused state fed to the next step
+    hidden: torch.Tensor  # [B, T, H] fused state (the next step reads ``DraftHead.carry`` of it)
     alpha: torch.Tensor  # [B, T] α used (0 where the pool missed)
     hit: torch.Tensor  # [B, T] bool: a pooled state passed the threshold
 
@@ -46,6 +46,8 @@ class DraftHead(nn.Module):
             raise ValueError(f"{len(hot_ids)} hot ids for draft_vocab_size {cfg.draft_vocab_size}")
         self.register_buffer("d2t", hot_ids - torch.arange(len(hot_ids)))
         self.register_buffer("t2d", torch.zeros(cfg.vocab_size, dtype=torch.bool).scatter_(0, hot_ids, True))
+        self.input_norm = (LlamaRMSNorm(cfg.num_aux_layers * cfg.target_hidden_size, eps=cfg.rms_norm_eps)
+                           if cfg.norm_before_fc else None)
         if cfg.aux_scale:  # set from data by the trainer (training.setup); 1 = the plain EAGLE-3 fc
             self.register_buffer("aux_scale", torch.ones(cfg.num_aux_layers * cfg.target_hidden_size))
         # The target's own embeddings, frozen and not part of the draft's weights.
@@ -62,6 +64,8 @@ class DraftHead(nn.Module):
     def project_aux(self, aux: torch.Tensor) -> torch.Tensor:
         """The target's features [.., k·Ht] -> the draft's first state [.., H] (``fc``)."""
         aux = aux.to(self.fc.weight.dtype)
+        if self.input_norm is not None:
+            aux = self.input_norm(aux)
         if self.cfg.aux_scale:
             aux = aux * self.aux_scale.to(aux.dtype)
         return self.fc(aux)
@@ -71,6 +75,10 @@ class DraftHead(nn.Module):
         hit = similarity >= self.cfg.pool_threshold
         alpha = self.gate(current, retrieved, similarity.clamp(min=-1.0)) * hit
         return fuse(current, retrieved, alpha), alpha, hit
+
+    def carry(self, fused: torch.Tensor) -> torch.Tensor:
+        """The state the next draft step reads: the fused state, or its norm with ``norm_output``."""
+        return self.norm(fused) if self.cfg.norm_output else fused
 
     def score(self, hidden: torch.Tensor) -> torch.Tensor:
         """Hot-vocabulary logits of a (fused) state: [..., H] -> [..., V_hot(+1)]."""
@@ -107,7 +115,7 @@ class DraftHead(nn.Module):
                 alpha = torch.zeros(b, t, device=aux.device)
                 hit = torch.zeros(b, t, dtype=torch.bool, device=aux.device)
             outputs.append(StepOutput(self.score(fused), fused, alpha, hit))
-            hidden = fused
+            hidden = self.carry(fused)
         return outputs
 
     def forward_cached(self, hidden: torch.Tensor, input_ids: torch.Tensor, positions: torch.Tensor,

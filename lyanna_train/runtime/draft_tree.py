@@ -112,7 +112,7 @@ def draft_tree(draft: DraftHead, state: DraftState, tree: TokenTree, shape: Tree
             break
         parents = [cands[c].parent for c in chosen]
         first = state.scratch
-        fused = _expand(draft, state, torch.stack([root_state if p < 0 else fused_of[p] for p in parents]),
+        fused = _expand(draft, state, draft.carry(torch.stack([root_state if p < 0 else fused_of[p] for p in parents])),
                         [cands[c].token for c in chosen], [cands[c].depth for c in chosen],
                         [[slot_of[a] for a in _lineage(cands, p)] for p in parents])
         for i, c in enumerate(chosen):
