@@ -140,10 +140,13 @@ def teacher_summary(last: torch.Tensor, lm_weight: torch.Tensor, chunk: int = 20
 
     All the loss needs from outside the hot vocabulary: whether the top-1 is hot, and the
     normaliser. Stored in the feature cache, it spares training the full LM head (most
-    of a small draft's step); formed in chunks of positions, never kept whole."""
+    of a small draft's step); formed in chunks of positions, never kept whole. The matrix
+    product runs in the LM head's own dtype (a bf16 target: a bf16 GEMM, 2-3x faster on
+    CPUs with AVX512-BF16 than an fp32 one, rounding logits by ~0.1 at worst); the
+    logsumexp is taken in fp32."""
     top1, lse = [], []
     for i in range(0, last.shape[0], chunk):
-        logits = last[i:i + chunk].float() @ lm_weight.float().T
+        logits = (last[i:i + chunk].to(lm_weight.dtype) @ lm_weight.T).float()
         top1.append(logits.argmax(-1))
         lse.append(torch.logsumexp(logits, dim=-1))
     if not top1:
