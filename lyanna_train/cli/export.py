@@ -3,6 +3,10 @@
     lyanna-export checkpoints/smollm2_135m --out exports/smollm2-lyanna
     lyanna-export checkpoints/smollm2_135m --out exports/smollm2-eagle3 --format eagle3 --speculators-config
     lyanna-export checkpoints/smollm2_135m/checkpoints/step-00000150 --out exports/at-150
+    lyanna-export import path/to/speculators-head --target smollm2 --out exports/imported
+
+``import`` reads an EAGLE-3 head written by speculators, SpecForge or the EAGLE repository
+into the lyanna format (see :mod:`lyanna_train.export.importer`).
 """
 
 from __future__ import annotations
@@ -16,7 +20,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="lyanna-export",
         description="Export a trained draft head: weights, config.json, hot-vocabulary map and a manifest "
-        "(target/tokenizer fingerprints, training config, final metrics), written atomically.")
+        "(target/tokenizer fingerprints, training config, final metrics), written atomically.",
+        epilog="To import a head trained elsewhere: lyanna-export import SRC --target T --out DIR "
+        "(lyanna-export import --help).")
     p.add_argument("checkpoint", metavar="CHECKPOINT_OR_RUN_DIR",
                    help="a step-NNNNNNNN checkpoint, or a run directory (its latest complete checkpoint is used)")
     p.add_argument("--out", required=True, help="output directory")
@@ -36,11 +42,37 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def build_import_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="lyanna-export import",
+        description="Import an EAGLE-3 draft head trained with speculators, SpecForge or the EAGLE repository "
+        "into the lyanna format (served by lyanna-generate / lyanna-bench, fine-tuned with "
+        "lyanna-train draft.init_from=DIR), keeping its vocabulary map. A head made for another target is refused.")
+    p.add_argument("source", metavar="SRC", help="the head's directory (config.json + model.safetensors, "
+                   "model.safetensors.index.json or pytorch_model.bin)")
+    p.add_argument("--target", required=True, help="the target it drafts for: embedded name, GGUF file or "
+                   "Hugging Face directory (checked against the head: hidden size, vocabulary, embeddings, tokenizer)")
+    p.add_argument("--out", required=True, help="output directory")
+    p.add_argument("--layout", choices=["auto", "speculators", "specforge", "eagle"], default="auto",
+                   help="the source's layout (default: detected from config.json and the weight file)")
+    p.add_argument("--dtype", choices=["bfloat16", "float16", "float32"],
+                   help="cast the floating-point weights (default: as stored)")
+    p.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
+    return p
+
+
 @entry_point("lyanna-export")
 def main(argv: list[str]) -> int:
     from ..errors import LyannaError
     from ..export.writer import export_checkpoint
 
+    if argv[:1] == ["import"]:
+        from ..export.importer import import_head
+
+        args = build_import_parser().parse_args(argv[1:])
+        import_head(args.source, args.out, args.target, layout=args.layout, dtype=args.dtype,
+                    overwrite=args.overwrite, say=print)
+        return 0
     args = build_parser().parse_args(argv)
     if args.speculative_tokens < 1:
         raise LyannaError("--speculative-tokens must be at least 1")
