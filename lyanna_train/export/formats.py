@@ -51,7 +51,8 @@ _CORE = (  # the EAGLE-3 layout, named as SGLang and vLLM name it
     "midlayer.mlp.gate_proj.weight", "midlayer.mlp.up_proj.weight", "midlayer.mlp.down_proj.weight",
     "norm.weight", "lm_head.weight", "d2t", "t2d",
 )
-_LYANNA_ONLY = ("embed_proj.weight", "gate.proj.weight", "gate.proj.bias", "gate.out.weight", "gate.out.bias")
+_LYANNA_ONLY = ("embed_proj.weight", "gate.proj.weight", "gate.proj.bias", "gate.out.weight", "gate.out.bias",
+                "input_norm.weight", *(f"fc_norm.{i}.weight" for i in range(16)))  # imported variants' norms
 
 # DraftHead state-dict name -> name in the export; None: not part of that format.
 NAMES: dict[str, dict[str, str | None]] = {
@@ -109,6 +110,10 @@ def check_eagle3(cfg: DraftConfig) -> None:
                           f"{cfg.target_hidden_size}): SGLang and vLLM feed it the target's embeddings")
     if cfg.num_aux_layers != 3:
         raise LyannaError(f"the eagle3 format fuses exactly 3 target layers, this draft fuses {cfg.num_aux_layers}")
+    variants = [name for name in ("norm_before_fc", "fc_norm", "norm_output") if getattr(cfg, name)]
+    if variants:
+        raise LyannaError(f"the eagle3 format has no {', '.join(variants)} (SGLang's and vLLM's EAGLE-3 layer "
+                          "lack it): export this head with --format lyanna")
     if list(cfg.aux_layer_ids) != sorted(cfg.aux_layer_ids):  # engines capture layers in model order
         raise LyannaError(f"the eagle3 engines fuse target layers in ascending order; this draft was trained on "
                           f"{list(cfg.aux_layer_ids)} in another order")

@@ -117,7 +117,8 @@ def check_target(cfg, embed, verifier, src: Path, target, tokenizer, target_name
 
 
 def read_head(src: Path, layout: str = "auto"):
-    """(layout, DraftConfig, DraftHead state with d2t/t2d, source embeddings or None, verifier, weights file)."""
+    """(layout, DraftConfig, DraftHead state with d2t/t2d, source embeddings or None, verifier, weights file,
+    notes on what serving here does differently)."""
     from .loader import check_state
 
     config_file = src / F.CONFIG_FILE
@@ -131,16 +132,16 @@ def read_head(src: Path, layout: str = "auto"):
     if layout not in L.LAYOUTS:
         raise LyannaError(f"unknown layout {layout!r} (choose from auto, {', '.join(L.LAYOUTS)})")
     if layout == L.SPECULATORS:
-        cfg, verifier = L.config_from_speculators(config, str(config_file))
+        cfg, verifier, notes = L.config_from_speculators(config, str(config_file))
     else:
-        cfg, verifier = L.config_from_eagle3_family(config, str(config_file)), None
+        cfg, verifier, notes = L.config_from_eagle3_family(config, str(config_file)), None, []
     where = str(src / weights_file)
     state, embed = L.to_draft_names(tensors, layout, where)
     hot = L.hot_ids_of(state, cfg, where)
     state["d2t"] = hot - torch.arange(len(hot))
     state["t2d"] = torch.zeros(cfg.vocab_size, dtype=torch.bool).scatter_(0, hot, True)
     check_state(state, cfg, config_file, src / weights_file)
-    return layout, cfg, state, embed, verifier, weights_file
+    return layout, cfg, state, embed, verifier, weights_file, notes
 
 
 def import_head(src: str | Path, out_dir: str | Path, target_name: str, *, target=None, tokenizer=None,
@@ -161,7 +162,7 @@ def import_head(src: str | Path, out_dir: str | Path, target_name: str, *, targe
     if dtype is not None and dtype not in DTYPES:
         raise LyannaError(f"unknown dtype {dtype!r} (choose from {', '.join(DTYPES)})")
     out_dir = check_output_dir(out_dir, overwrite)
-    layout, cfg, state, embed, verifier, weights_file = read_head(src, layout)
+    layout, cfg, state, embed, verifier, weights_file, notes = read_head(src, layout)
     say(f"importing {src} ({layout} layout: {cfg.draft_vocab_size}-token head over a {cfg.vocab_size}-token "
         f"vocabulary, width {cfg.hidden_size})")
     if target is None or tokenizer is None:
@@ -171,7 +172,6 @@ def import_head(src: str | Path, out_dir: str | Path, target_name: str, *, targe
         target = target if target is not None else load_target_model(target_name)
         tokenizer = tokenizer if tokenizer is not None else load_tokenizer(target_name)
     checked = check_target(cfg, embed, verifier, src, target, tokenizer, target_name)
-    notes = []
     if not cfg.aux_layer_ids:
         ids = default_layer_ids(target.config.num_hidden_layers)
         notes.append(f"the source records no target layer ids: EAGLE-3's default {list(ids)} assumed")

@@ -14,8 +14,10 @@ Three layouts, all one decoder layer over ``fc`` of three target layers:
 * ``eagle`` (SafeAILab/EAGLE, ``traineagle3``): the same keys and names, the weights in
   DeepSpeed's ``pytorch_model.bin``; its config may still say ``LlamaForCausalLM``.
 
-Variants our draft cannot compute the same way (more layers, q/k norms, extra norms,
-``norm_before_residual``, rope scaling, biases) are refused by name, never approximated.
+speculators' EAGLE-3 variants (``norm_before_fc``, ``fc_norm``, ``norm_output``, its
+trainer's defaults) are computed as it does; variants the draft cannot compute the same
+way (more layers, q/k norms, ``norm_before_residual``, rope scaling, biases) are refused
+by name, never approximated.
 """
 
 from __future__ import annotations
@@ -31,7 +33,8 @@ LAYOUTS = (SPECULATORS, SPECFORGE, EAGLE)
 EMBED = "embed_tokens.weight"  # the source's copy of the target's embeddings: checked, not kept
 _CORE = {k for k, v in F.NAMES[F.EAGLE3].items() if v is not None}  # DraftHead names of the EAGLE-3 part (midlayer.*, fc, norm, lm_head, d2t, t2d)
 _IGNORED = ("verifier_lm_head.weight", "verifier_norm.weight")  # speculators' frozen training-only copies
-_SPECULATORS_FLAGS = ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output")
+_VARIANTS = ("norm_before_fc", "fc_norm", "norm_output")  # speculators' EAGLE-3 variants the draft computes too
+_VARIANT_TENSORS = ("input_norm.weight", "fc_norm.")
 
 
 def detect_layout(config: dict, weights_file: str) -> str:
@@ -59,15 +62,24 @@ def _check_llama_layer(layer: dict, where: str) -> None:
     _refuse_rope(params if isinstance(params, dict) else None, where)
 
 
-def config_from_speculators(config: dict, where: str) -> tuple[DraftConfig, dict]:
-    """(DraftConfig with the pool off, the verifier it records) from a speculators config.json."""
+def _window_note(layer: dict) -> list[str]:
+    """speculators' trainer gives draft layers a sliding window (2048 by default); this draft
+    attends to the whole context, which is the same computation up to that many tokens."""
+    kinds, window = layer.get("layer_types") or [], layer.get("sliding_window")
+    if window and (layer.get("use_sliding_window") or "sliding_attention" in kinds):
+        return [f"the source's draft layer attends to a sliding window of {window} tokens; served here over "
+                f"the whole context: identical for contexts up to {window} tokens"]
+    return []
+
+
+def config_from_speculators(config: dict, where: str) -> tuple[DraftConfig, dict, list[str]]:
+    """(DraftConfig with the pool off, the verifier it records, notes) from a speculators config.json."""
     if config.get("speculators_model_type") != "eagle3":
         raise LyannaError(f"{where}: speculators model type {config.get('speculators_model_type')!r} is not an "
                           "EAGLE-3 head")
-    on = [k for k in _SPECULATORS_FLAGS if config.get(k)]
-    if on:
-        raise LyannaError(f"{where}: {', '.join(on)} set; not supported (the draft's layer adds the un-normed "
-                          "state and feeds fc the raw features)")
+    if config.get("norm_before_residual"):
+        raise LyannaError(f"{where}: norm_before_residual set; not supported (the draft's layer adds the "
+                          "un-normed incoming state)")
     layer = config.get("transformer_layer_config") or {}
     if layer.get("model_type", "llama") != "llama":
         raise LyannaError(f"{where}: a {layer['model_type']!r} decoder layer is not supported (llama only; "
@@ -86,14 +98,14 @@ def config_from_speculators(config: dict, where: str) -> tuple[DraftConfig, dict
             num_key_value_heads=int(layer.get("num_key_value_heads") or heads),
             head_dim=int(layer.get("head_dim") or hidden // heads), rms_norm_eps=float(layer.get("rms_norm_eps", 1e-6)),
             rope_theta=float(rope), max_position_embeddings=int(layer.get("max_position_embeddings", 4096)),
-            num_aux_layers=3, aux_layer_ids=tuple(int(i) - 1 for i in ids or ()),
-            pool_size=0, alpha_max=0.0, other_bucket=False)
+            num_aux_layers=len(ids) if ids else 3, aux_layer_ids=tuple(int(i) - 1 for i in ids or ()),
+            pool_size=0, alpha_max=0.0, other_bucket=False, **{k: bool(config.get(k)) for k in _VARIANTS})
     except KeyError as err:
         raise LyannaError(f"{where}: missing key {err.args[0]!r}") from None
-    except (TypeError, ValueError) as err:
+    except (TypeError, ValueError, LyannaError) as err:
         raise LyannaError(f"{where}: {err}") from None
     verifier = ((config.get("speculators_config") or {}).get("verifier") or {})
-    return cfg, {k: verifier.get(k) for k in ("name_or_path", "architectures")}
+    return cfg, {k: verifier.get(k) for k in ("name_or_path", "architectures")}, _window_note(layer)
 
 
 def config_from_eagle3_family(config: dict, where: str) -> DraftConfig:
@@ -104,7 +116,7 @@ def config_from_eagle3_family(config: dict, where: str) -> DraftConfig:
     return F.config_from_eagle3({k: v for k, v in config.items() if k != "rope_scaling"}, where)
 
 
-def _speculators_name(name: str) -> str | None:
+def _speculators_name(name: str) -> str:
     if name.startswith("layers.0."):
         return "midlayer." + name.removeprefix("layers.0.")
     return name
@@ -124,6 +136,9 @@ def to_draft_names(tensors: dict, layout: str, where: str) -> tuple[dict, torch.
         if name in _IGNORED or name.endswith("rotary_emb.inv_freq"):
             continue
         ours = _speculators_name(name) if layout == SPECULATORS else name
+        if layout == SPECULATORS and ours.startswith(_VARIANT_TENSORS):  # checked against the config by the caller
+            out[ours] = tensor
+            continue
         if ours not in _CORE:
             hint = " (a second decoder layer: only one-layer heads are supported)" if name.startswith(
                 ("layers.1.", "midlayer.1", "layers.2.")) else ""

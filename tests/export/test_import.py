@@ -42,11 +42,11 @@ def target():
     return make_target()
 
 
-def make_head(target, draft_vocab=DRAFT_VOCAB, seed=0, sorted_ids=False) -> DraftHead:
+def make_head(target, draft_vocab=DRAFT_VOCAB, seed=0, sorted_ids=False, **variants) -> DraftHead:
     torch.manual_seed(seed)
     cfg = DraftConfig(target_hidden_size=H, vocab_size=V, draft_vocab_size=draft_vocab, hidden_size=H,
                       intermediate_size=96, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                      aux_layer_ids=DEFAULT_IDS, pool_size=0, alpha_max=0.0)
+                      aux_layer_ids=DEFAULT_IDS, pool_size=0, alpha_max=0.0, **variants)
     hot = torch.randperm(V)[:draft_vocab]
     draft = DraftHead(cfg, hot.sort().values if sorted_ids else hot, target.model.embed_tokens.weight)
     with torch.no_grad():
@@ -76,6 +76,7 @@ def write_source(root, draft: DraftHead, layout: str, vocab_map=("d2t", "t2d"), 
                  for k, v in state.items()}
         config = {"architectures": ["Eagle3Speculator"], "speculators_model_type": "eagle3",
                   "draft_vocab_size": cfg.draft_vocab_size, "norm_before_residual": False, "target_hidden_size": None,
+                  "norm_before_fc": cfg.norm_before_fc, "fc_norm": cfg.fc_norm, "norm_output": cfg.norm_output,
                   "transformer_layer_config": {**_llama_fields(cfg), "rope_theta": cfg.rope_theta},
                   "speculators_config": {"algorithm": "eagle3", "verifier": {"name_or_path": "some/verifier",
                                                                              "architectures": ["LlamaForCausalLM"]}}}
@@ -125,6 +126,26 @@ def test_round_trip_per_layout_gives_identical_logits_and_keeps_the_map(tmp_path
     info = manifest["imported"]
     assert info["layout"] == layout and "embeddings" in info["checked"]
     assert info["sha256"]["config.json"].startswith("sha256:") and bool(info["notes"]) == (not ids)
+
+
+@pytest.mark.parametrize("variants", [dict(norm_before_fc=True, norm_output=True), dict(fc_norm=True)])
+def test_speculators_trainer_variants_are_computed_as_it_does(tmp_path, target, smollm2_tokenizer, variants):
+    """speculators' EAGLE-3 trainer defaults to norm_before_fc + norm_output and a 2048-token window."""
+    head = make_head(target, **variants)
+    layer = {"sliding_window": 2048, "use_sliding_window": True, "layer_types": ["sliding_attention"]}
+    src = write_source(tmp_path / "src", head, "speculators")
+    config = json.loads((src / "config.json").read_text())
+    config["transformer_layer_config"].update(layer)
+    (src / "config.json").write_text(json.dumps(config))
+    draft, manifest = imported(tmp_path, src, target, smollm2_tokenizer)
+    assert all(getattr(draft.cfg, k) for k in variants)
+    for a, b in zip(logits(head), logits(draft)):
+        assert torch.equal(a, b)
+    assert any("sliding window of 2048" in note for note in manifest["imported"]["notes"])
+    with pytest.raises(LyannaError, match="export this head with --format lyanna"):
+        from lyanna_train.export.formats import check_eagle3
+
+        check_eagle3(draft.cfg)
 
 
 @pytest.mark.parametrize("layout", ["speculators", "specforge"])

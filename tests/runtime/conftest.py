@@ -32,12 +32,12 @@ def tiny_target():
     return model
 
 
-def make_draft(target, pool: bool, draft_vocab: int = 64, seed: int = 0) -> DraftHead:
+def make_draft(target, pool: bool, draft_vocab: int = 64, seed: int = 0, **variants) -> DraftHead:
     torch.manual_seed(seed)
     # Threshold 0 when the pool is on: random states rarely reach 0.85, and fusion must be exercised.
     cfg = DraftConfig(target_hidden_size=H, vocab_size=V, draft_vocab_size=draft_vocab, hidden_size=H,
                       intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                      pool_size=128 if pool else 0, pool_threshold=0.0)
+                      pool_size=128 if pool else 0, pool_threshold=0.0, **variants)
     hot = torch.randperm(V)[:draft_vocab]
     return DraftHead(cfg, hot, target.model.embed_tokens.weight).eval()
 
