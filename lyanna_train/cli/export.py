@@ -30,8 +30,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="lyanna: everything, state pool and alpha-gate included (default); eagle3: the "
                    "LlamaForCausalLMEagle3 layout SGLang and vLLM load (no pool, no alpha-gate)")
     p.add_argument("--speculators-config", action="store_true",
-                   help="eagle3 only: also write speculators/ (vLLM's 'speculators' config.json + the same weights)")
-    p.add_argument("--verifier", help="verifier name_or_path for the speculators config (default: the run's target)")
+                   help="eagle3 only: also write speculators/, the same head as the speculators library names it "
+                   "(config.json + weights); `vllm serve OUT/speculators` serves it")
+    p.add_argument("--with-embeddings", action="store_true",
+                   help="eagle3 only: store the verifier's embed_tokens.weight beside the head (as SpecForge does), "
+                   "for speculators' converter; SGLang and vLLM do not need it")
+    p.add_argument("--verifier", help="the target as engines open it, a directory or model id, recorded with its "
+                   "architectures (default: the run's target, resolved to the directory its weights are read from)")
     p.add_argument("--speculative-tokens", type=int, default=3,
                    help="draft depth recorded in the speculators config (default 3)")
     p.add_argument("--dtype", choices=["bfloat16", "float16", "float32"],
@@ -78,7 +83,7 @@ def main(argv: list[str]) -> int:
         raise LyannaError("--speculative-tokens must be at least 1")
     export_checkpoint(args.checkpoint, args.out, args.format, target_name=args.target, dtype=args.dtype,
                       overwrite=args.overwrite, speculators=args.speculators_config, verifier=args.verifier,
-                      speculative_tokens=args.speculative_tokens, say=print)
+                      speculative_tokens=args.speculative_tokens, embeddings=args.with_embeddings, say=print)
     return 0
 
 

@@ -39,7 +39,10 @@ MANIFEST_FILE = "manifest.json"
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 HOT_VOCAB_FILE = "hot_vocab.safetensors"  # hot_ids, d2t, t2d + tokenizer fingerprint (hotvocab artifact layout)
-SPECULATORS_DIR = "speculators"  # vLLM "speculators" config.json beside a link to the same weights
+# eagle3: engines load every *.safetensors beside config.json, so Lyanna's own files go one level down
+SIDE_DIR = "lyanna"
+EMBED_TOKENS = "embed_tokens.weight"  # the verifier's embeddings, stored beside a head only for speculators
+SPECULATORS_DIR = "speculators"  # speculators' config.json + the weights under its names (vllm serve DIR)
 AUX_CONVENTION = "output of decoder layer i (0-based) = HF hidden_states[i+1]"
 
 _CORE = (  # the EAGLE-3 layout, named as SGLang and vLLM name it
@@ -60,6 +63,11 @@ NAMES: dict[str, dict[str, str | None]] = {
     EAGLE3: {**{name: name for name in _CORE},
              "gate.proj.weight": None, "gate.proj.bias": None, "gate.out.weight": None, "gate.out.bias": None},
 }
+
+
+def hot_vocab_file(fmt: str) -> str:
+    """Where the hot-vocabulary map lives in an export, relative to it."""
+    return HOT_VOCAB_FILE if fmt == LYANNA else f"{SIDE_DIR}/{HOT_VOCAB_FILE}"
 
 
 def rename(state: dict, table: dict, where: str) -> dict:
@@ -171,11 +179,13 @@ def config_from_eagle3(config: dict, where: str) -> DraftConfig:
         raise LyannaError(f"{where}: {err}") from None
 
 
-def speculators_config(cfg: DraftConfig, verifier: str, speculative_tokens: int, dtype: str) -> dict:
-    """vLLM's "speculators" config.json (``speculators_model_type: eagle3``) for the same weights.
+def speculators_config(cfg: DraftConfig, verifier: dict, speculative_tokens: int, dtype: str) -> dict:
+    """speculators' config.json (``speculators_model_type: eagle3``) for the same head, which
+    ``vllm serve`` and speculators' ``Eagle3DraftModel.from_pretrained`` load.
 
     vLLM converts it in ``SpeculatorsConfig``/``update_eagle3``: ``norm_before_residual``
     defaults to True there, so it is written out; layer ids use vLLM's convention.
+    ``verifier``: {"name_or_path", "architectures"}, the target the engine loads.
     """
     check_eagle3(cfg)
     out = {"architectures": ["Eagle3Speculator"], "speculators_model_type": "eagle3",
@@ -186,7 +196,8 @@ def speculators_config(cfg: DraftConfig, verifier: str, speculative_tokens: int,
                "algorithm": "eagle3", "default_proposal_method": "greedy",
                "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": int(speculative_tokens),
                                      "verifier_accept_k": 1, "accept_tolerance": 0.0}],
-               "verifier": {"name_or_path": verifier, "architectures": []}},
+               "verifier": {"name_or_path": verifier["name_or_path"],
+                            "architectures": list(verifier["architectures"])}},
            "torch_dtype": dtype}
     if cfg.aux_layer_ids:
         out["eagle_aux_hidden_state_layer_ids"] = vllm_layer_ids(cfg.aux_layer_ids)

@@ -7,6 +7,7 @@ installed there by the Makefile), so nothing here imports lyanna_train. Commands
     load DIR INPUTS OUT        Eagle3DraftModel.from_pretrained(DIR): keys, weights, logits of 3 steps
     convert SRC VERIFIER OUT [IDS_JSON]   speculators' EAGLE-3 converter (convert_model)
     write VERIFIER OUT INPUTS HEADS_JSON   heads built and saved by speculators' trainer code
+    batch JSON                 several of these ([[command, arg, ...], ...]) in one interpreter
 
 INPUTS: safetensors with ``aux`` [1, T, 3H] and ``ids`` [1, T] (T a multiple of 128, the
 flex-attention block); the draft at anchor t reads aux[t] and ids[t + 1], as ours does.
@@ -125,6 +126,11 @@ def write_one(verifier: str, out: str, inputs: str, variants: dict) -> None:
     Path(f"{out}.json").write_text(json.dumps(describe(model), indent=2))
 
 
+COMMANDS = {"load": load, "convert": convert, "write": write}
+
 if __name__ == "__main__":
-    commands = {"load": load, "convert": convert, "write": write}
-    commands[sys.argv[1]](*sys.argv[2:])
+    if sys.argv[1] == "batch":  # one interpreter for several commands: importing speculators takes ~10 s
+        for command, *args in json.loads(sys.argv[2]):
+            COMMANDS[command](*args)
+    else:
+        COMMANDS[sys.argv[1]](*sys.argv[2:])

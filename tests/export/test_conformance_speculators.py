@@ -20,8 +20,15 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from lyanna_train.export import formats as F
 from lyanna_train.export.importer import import_head
 from lyanna_train.export.loader import load_exported
+from lyanna_train.export.writer import export_checkpoint
+from lyanna_train.models.config import DraftConfig
+from lyanna_train.models.draft_head import DraftHead
+from lyanna_train.target.fingerprint import tokenizer_fingerprint
+
+from .test_export import make_run
 
 PROBE = Path(__file__).with_name("speculators_probe.py")
 CONSUMERS = Path(os.environ.get("LYANNA_CONSUMERS", Path(sys.prefix) / "consumers"))
@@ -104,3 +111,65 @@ def test_a_head_saved_by_speculators_imports_with_its_logits(tmp_path, verifier,
         print(f"\n  speculators-written head '{name}' -> lyanna-export import: max |logit difference| per step "
               f"{[f'{d:.2e}' for d in diffs]}")
     assert max(diffs) < TOLERANCE, diffs
+
+
+@pytest.fixture(scope="module")
+def our_export(verifier, smollm2_tokenizer, tmp_path_factory) -> Path:
+    """``lyanna-export --format eagle3 --speculators-config --with-embeddings`` of a random head (its
+    pool is dropped); the embeddings are for speculators' converter, whose output otherwise loads
+    with uninitialised ones."""
+    target, verifier_dir = verifier
+    torch.manual_seed(2)
+    cfg = DraftConfig(target_hidden_size=H, vocab_size=V, draft_vocab_size=48, hidden_size=H, intermediate_size=96,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, aux_layer_ids=(1, 3, 4),
+                      pool_size=128, pool_threshold=0.0)
+    draft = DraftHead(cfg, torch.randperm(V)[:48], target.model.embed_tokens.weight)
+    with torch.no_grad():
+        for p in draft.parameters():
+            p.add_(torch.randn_like(p) * 0.1)
+    root = tmp_path_factory.mktemp("our-export")
+    run = make_run(root / "run", draft, target, tokenizer_fingerprint(smollm2_tokenizer))
+    export_checkpoint(run, root / "eagle3", "eagle3", speculators=True, embeddings=True, verifier=str(verifier_dir),
+                      say=lambda *_: None)
+    return root / "eagle3"
+
+
+@pytest.fixture(scope="module")
+def speculators_view(our_export, verifier, inputs) -> Path:
+    """What speculators makes of our export: its from_pretrained on speculators/, its converter on
+    the eagle3 folder with the layer ids the manifest gives (then from_pretrained), and without them."""
+    out, manifest = our_export.parent, json.loads((our_export / F.MANIFEST_FILE).read_text())
+    ids = json.dumps(manifest["aux_layers"]["vllm"])
+    probe("batch", json.dumps([
+        ["load", str(our_export / F.SPECULATORS_DIR), str(inputs), str(out / "folder")],
+        ["convert", str(our_export), str(verifier[1]), str(out / "converted"), ids],
+        ["load", str(out / "converted"), str(inputs), str(out / "converted-load")],
+        ["convert", str(our_export), str(verifier[1]), str(out / "converted-no-ids")],
+    ]))
+    return out
+
+
+@pytest.mark.parametrize("route", ["folder", "converted-load"], ids=["speculators-folder", "converter"])
+def test_speculators_loads_our_export_with_our_logits(our_export, speculators_view, verifier, inputs, route, capsys):
+    report = json.loads((speculators_view / f"{route}.json").read_text())
+    assert report["missing"] == [] and report["unexpected"] == [] and report["loaded_differently"] == [], report
+    assert report["embeddings_from_verifier"] and report["eagle_aux_hidden_state_layer_ids"] == [2, 4, 5]
+    assert report["verifier"] == str(verifier[1].resolve()) and report["architectures"] == ["LlamaForCausalLM"]
+    assert not [w for w in report["warnings"] if "target layers" in w]  # its layer-id default was not used
+    draft, _ = load_exported(our_export, verifier[0])
+    diffs = max_logit_difference(draft, inputs, load_file(str(speculators_view / f"{route}.safetensors")))
+    with capsys.disabled():
+        print(f"\n  our eagle3 export -> speculators ({route}): max |logit difference| per step "
+              f"{[f'{d:.2e}' for d in diffs]}")
+    assert max(diffs) < TOLERANCE, diffs
+
+
+def test_speculators_converter_needs_the_layer_ids_the_manifest_gives(our_export, speculators_view):
+    """Its converter reads no ids from config.json: without the flag the manifest spells out,
+    the converted head has none and speculators falls back to its defaults."""
+    config = json.loads((speculators_view / "converted-no-ids" / F.CONFIG_FILE).read_text())
+    assert config.get("eagle_aux_hidden_state_layer_ids") is None
+    converted = json.loads((speculators_view / "converted" / F.CONFIG_FILE).read_text())
+    assert converted["eagle_aux_hidden_state_layer_ids"] == [2, 4, 5]
+    manifest = json.loads((our_export / F.MANIFEST_FILE).read_text())
+    assert '"eagle_aux_hidden_state_layer_ids": [2, 4, 5]' in manifest["serving"]["speculators_convert"]
