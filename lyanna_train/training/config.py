@@ -39,6 +39,9 @@ class DraftConf:
     gate_hidden: int = 64  # width of the α-gating network
     target_init: TargetInitConf = field(default_factory=TargetInitConf)  # start from the target's weights
     freeze_lm_head: bool = False  # keep the LM head as initialised (fewer parameters to over-fit)
+    # fine-tune an existing head: an export dir (lyanna or eagle3; `lyanna-export import` for other toolkits')
+    init_from: Optional[str] = None
+    init_vocab: str = "keep"  # keep: the head's vocabulary map; rebuild: the run's hot vocabulary, shared rows kept
 
 
 @dataclass
@@ -158,6 +161,11 @@ def validate(cfg) -> None:
         bad(f"loss.positions must be 'assistant' or 'all', not {cfg.loss.positions!r}")
     if cfg.draft.target_init.fc not in ("random", "top_layer"):
         bad(f"draft.target_init.fc must be 'random' or 'top_layer', not {cfg.draft.target_init.fc!r}")
+    if cfg.draft.init_vocab not in ("keep", "rebuild"):
+        bad(f"draft.init_vocab must be 'keep' or 'rebuild', not {cfg.draft.init_vocab!r}")
+    init = cfg.draft.target_init
+    if cfg.draft.init_from and (init.lm_head or init.layer is not None or init.fc != "random"):
+        bad("draft.init_from and draft.target_init are alternatives: a head to fine-tune is already initialised")
     if cfg.loss.ttt_steps < 1:
         bad("loss.ttt_steps must be at least 1")
     if not 0 < cfg.hotvocab.ratio <= 1:
