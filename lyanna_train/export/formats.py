@@ -39,7 +39,10 @@ MANIFEST_FILE = "manifest.json"
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 HOT_VOCAB_FILE = "hot_vocab.safetensors"  # hot_ids, d2t, t2d + tokenizer fingerprint (hotvocab artifact layout)
-SPECULATORS_DIR = "speculators"  # vLLM "speculators" config.json beside a link to the same weights
+# eagle3: engines load every *.safetensors beside config.json, so Lyanna's own files go one level down
+SIDE_DIR = "lyanna"
+EMBED_TOKENS = "embed_tokens.weight"  # the verifier's embeddings, stored beside a head only for speculators
+SPECULATORS_DIR = "speculators"  # speculators' config.json + the weights under its names (vllm serve DIR)
 AUX_CONVENTION = "output of decoder layer i (0-based) = HF hidden_states[i+1]"
 
 _CORE = (  # the EAGLE-3 layout, named as SGLang and vLLM name it
@@ -51,7 +54,8 @@ _CORE = (  # the EAGLE-3 layout, named as SGLang and vLLM name it
     "midlayer.mlp.gate_proj.weight", "midlayer.mlp.up_proj.weight", "midlayer.mlp.down_proj.weight",
     "norm.weight", "lm_head.weight", "d2t", "t2d",
 )
-_LYANNA_ONLY = ("embed_proj.weight", "input_norm.weight", "gate.proj.weight", "gate.proj.bias", "gate.out.weight", "gate.out.bias")
+_LYANNA_ONLY = ("embed_proj.weight", "gate.proj.weight", "gate.proj.bias", "gate.out.weight", "gate.out.bias",
+                "input_norm.weight", *(f"fc_norm.{i}.weight" for i in range(16)))  # imported variants' norms
 
 # DraftHead state-dict name -> name in the export; None: not part of that format.
 NAMES: dict[str, dict[str, str | None]] = {
@@ -70,6 +74,11 @@ def fold_aux_scale(cfg: DraftConfig, state: dict) -> tuple[DraftConfig, dict]:
     scale = state.pop("aux_scale")
     state["fc.weight"] = (state["fc.weight"].float() * scale.float()[None, :]).to(state["fc.weight"].dtype)
     return dataclasses.replace(cfg, aux_scale=False), state
+
+
+def hot_vocab_file(fmt: str) -> str:
+    """Where the hot-vocabulary map lives in an export, relative to it."""
+    return HOT_VOCAB_FILE if fmt == LYANNA else f"{SIDE_DIR}/{HOT_VOCAB_FILE}"
 
 
 def rename(state: dict, table: dict, where: str) -> dict:
@@ -120,10 +129,10 @@ def check_eagle3(cfg: DraftConfig) -> None:
                           f"{cfg.target_hidden_size}): SGLang and vLLM feed it the target's embeddings")
     if cfg.num_aux_layers != 3:
         raise LyannaError(f"the eagle3 format fuses exactly 3 target layers, this draft fuses {cfg.num_aux_layers}")
-    if cfg.norm_before_fc or cfg.norm_output:
-        raise LyannaError("this draft normalises its features before fc or its state between steps "
-                          "(norm_before_fc / norm_output), which a plain EAGLE-3 config cannot express: "
-                          "export it in the lyanna format")
+    variants = [name for name in ("norm_before_fc", "fc_norm", "norm_output") if getattr(cfg, name)]
+    if variants:
+        raise LyannaError(f"the eagle3 format has no {', '.join(variants)} (SGLang's and vLLM's EAGLE-3 layer "
+                          "lack it): export this head with --format lyanna")
     if list(cfg.aux_layer_ids) != sorted(cfg.aux_layer_ids):  # engines capture layers in model order
         raise LyannaError(f"the eagle3 engines fuse target layers in ascending order; this draft was trained on "
                           f"{list(cfg.aux_layer_ids)} in another order")
@@ -181,11 +190,13 @@ def config_from_eagle3(config: dict, where: str) -> DraftConfig:
         raise LyannaError(f"{where}: {err}") from None
 
 
-def speculators_config(cfg: DraftConfig, verifier: str, speculative_tokens: int, dtype: str) -> dict:
-    """vLLM's "speculators" config.json (``speculators_model_type: eagle3``) for the same weights.
+def speculators_config(cfg: DraftConfig, verifier: dict, speculative_tokens: int, dtype: str) -> dict:
+    """speculators' config.json (``speculators_model_type: eagle3``) for the same head, which
+    ``vllm serve`` and speculators' ``Eagle3DraftModel.from_pretrained`` load.
 
     vLLM converts it in ``SpeculatorsConfig``/``update_eagle3``: ``norm_before_residual``
     defaults to True there, so it is written out; layer ids use vLLM's convention.
+    ``verifier``: {"name_or_path", "architectures"}, the target the engine loads.
     """
     check_eagle3(cfg)
     out = {"architectures": ["Eagle3Speculator"], "speculators_model_type": "eagle3",
@@ -196,7 +207,8 @@ def speculators_config(cfg: DraftConfig, verifier: str, speculative_tokens: int,
                "algorithm": "eagle3", "default_proposal_method": "greedy",
                "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": int(speculative_tokens),
                                      "verifier_accept_k": 1, "accept_tolerance": 0.0}],
-               "verifier": {"name_or_path": verifier, "architectures": []}},
+               "verifier": {"name_or_path": verifier["name_or_path"],
+                            "architectures": list(verifier["architectures"])}},
            "torch_dtype": dtype}
     if cfg.aux_layer_ids:
         out["eagle_aux_hidden_state_layer_ids"] = vllm_layer_ids(cfg.aux_layer_ids)

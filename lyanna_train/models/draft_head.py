@@ -34,7 +34,11 @@ class DraftHead(nn.Module):
     def __init__(self, cfg: DraftConfig, hot_ids: torch.Tensor, target_embeddings: torch.Tensor):
         super().__init__()
         self.cfg = cfg
-        self.fc = nn.Linear(cfg.num_aux_layers * cfg.target_hidden_size, cfg.hidden_size, bias=False)
+        features = cfg.num_aux_layers * cfg.target_hidden_size
+        self.input_norm = LlamaRMSNorm(features, eps=cfg.rms_norm_eps) if cfg.norm_before_fc else None
+        self.fc_norm = nn.ModuleList(LlamaRMSNorm(cfg.target_hidden_size, eps=cfg.rms_norm_eps)
+                                     for _ in range(cfg.num_aux_layers)) if cfg.fc_norm else None
+        self.fc = nn.Linear(features, cfg.hidden_size, bias=False)
         self.embed_proj = (nn.Linear(cfg.target_hidden_size, cfg.hidden_size, bias=False)
                            if cfg.hidden_size != cfg.target_hidden_size else None)
         self.midlayer = DraftDecoderLayer(cfg)
@@ -46,8 +50,6 @@ class DraftHead(nn.Module):
             raise ValueError(f"{len(hot_ids)} hot ids for draft_vocab_size {cfg.draft_vocab_size}")
         self.register_buffer("d2t", hot_ids - torch.arange(len(hot_ids)))
         self.register_buffer("t2d", torch.zeros(cfg.vocab_size, dtype=torch.bool).scatter_(0, hot_ids, True))
-        self.input_norm = (LlamaRMSNorm(cfg.num_aux_layers * cfg.target_hidden_size, eps=cfg.rms_norm_eps)
-                           if cfg.norm_before_fc else None)
         if cfg.aux_scale:  # set from data by the trainer (training.setup); 1 = the plain EAGLE-3 fc
             self.register_buffer("aux_scale", torch.ones(cfg.num_aux_layers * cfg.target_hidden_size))
         # The target's own embeddings, frozen and not part of the draft's weights.
@@ -57,28 +59,30 @@ class DraftHead(nn.Module):
     def hot_ids(self) -> torch.Tensor:
         return self.d2t + torch.arange(len(self.d2t), device=self.d2t.device)
 
+    def fuse_features(self, aux: torch.Tensor) -> torch.Tensor:
+        """Target features [..., L·Ht] -> the step-0 state [..., H] (``fc``, after the optional norms)."""
+        x = aux.to(self.fc.weight.dtype)
+        if self.input_norm is not None:
+            x = self.input_norm(x)
+        if self.fc_norm is not None:
+            x = torch.cat([norm(part) for norm, part in zip(self.fc_norm, x.chunk(len(self.fc_norm), dim=-1))], -1)
+        if self.cfg.aux_scale:
+            x = x * self.aux_scale.to(x.dtype)
+        return self.fc(x)
+
+    def carry(self, fused: torch.Tensor) -> torch.Tensor:
+        """The state the next draft step reads: the fused state, or its normed form (``norm_output``)."""
+        return self.norm(fused) if self.cfg.norm_output else fused
+
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         e = nn.functional.embedding(input_ids, self.embed_weight).to(self.fc.weight.dtype)
         return self.embed_proj(e) if self.embed_proj is not None else e
-
-    def project_aux(self, aux: torch.Tensor) -> torch.Tensor:
-        """The target's features [.., k·Ht] -> the draft's first state [.., H] (``fc``)."""
-        aux = aux.to(self.fc.weight.dtype)
-        if self.input_norm is not None:
-            aux = self.input_norm(aux)
-        if self.cfg.aux_scale:
-            aux = aux * self.aux_scale.to(aux.dtype)
-        return self.fc(aux)
 
     def pool_fuse(self, current: torch.Tensor, similarity: torch.Tensor, retrieved: torch.Tensor):
         """(fused [B, T, H], α [B, T], hit [B, T]) from a retrieval result."""
         hit = similarity >= self.cfg.pool_threshold
         alpha = self.gate(current, retrieved, similarity.clamp(min=-1.0)) * hit
         return fuse(current, retrieved, alpha), alpha, hit
-
-    def carry(self, fused: torch.Tensor) -> torch.Tensor:
-        """The state the next draft step reads: the fused state, or its norm with ``norm_output``."""
-        return self.norm(fused) if self.cfg.norm_output else fused
 
     def score(self, hidden: torch.Tensor) -> torch.Tensor:
         """Hot-vocabulary logits of a (fused) state: [..., H] -> [..., V_hot(+1)]."""
@@ -96,7 +100,7 @@ class DraftHead(nn.Module):
         embeds = self.embed(input_ids)
         positions = torch.arange(t, device=aux.device).expand(b, t)
         causal = torch.ones(t, t, dtype=torch.bool, device=aux.device).tril()
-        hidden = self.project_aux(aux)
+        hidden = self.fuse_features(aux)
         keys, values, outputs, step0 = [], [], [], None
         for j in range(steps):
             shifted = torch.zeros_like(embeds)

@@ -82,8 +82,8 @@ def _expand(draft: DraftHead, state: DraftState, parent_states: torch.Tensor, to
     for i, slots in enumerate(ancestor_slots):
         mask[0, 0, i, slots] = True
         mask[0, 0, i, first + i] = True
-    current, k, v = draft.forward_cached(parent_states[None], ids, positions, state.keys[:, :, :first],
-                                         state.values[:, :, :first], mask)
+    current, k, v = draft.forward_cached(draft.carry(parent_states[None]), ids, positions,
+                                         state.keys[:, :, :first], state.values[:, :, :first], mask)
     state.write(first, k, v)
     state.scratch = first + n
     if state.pool is None:
@@ -112,7 +112,7 @@ def draft_tree(draft: DraftHead, state: DraftState, tree: TokenTree, shape: Tree
             break
         parents = [cands[c].parent for c in chosen]
         first = state.scratch
-        fused = _expand(draft, state, draft.carry(torch.stack([root_state if p < 0 else fused_of[p] for p in parents])),
+        fused = _expand(draft, state, torch.stack([root_state if p < 0 else fused_of[p] for p in parents]),
                         [cands[c].token for c in chosen], [cands[c].depth for c in chosen],
                         [[slot_of[a] for a in _lineage(cands, p)] for p in parents])
         for i, c in enumerate(chosen):

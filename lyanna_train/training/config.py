@@ -41,6 +41,9 @@ class DraftConf:
     freeze_lm_head: bool = False  # keep the LM head as initialised (fewer parameters to over-fit)
     norm_before_residual: bool = False  # the layer's residual is the normed state (outlier dims kept out of it)
     aux_scale: bool = False  # scale each target-feature dimension by 1/RMS before fc (folded into fc on export)
+    # fine-tune an existing head: an export dir (lyanna or eagle3; `lyanna-export import` for other toolkits')
+    init_from: Optional[str] = None
+    init_vocab: str = "keep"  # keep: the head's vocabulary map; rebuild: the run's hot vocabulary, shared rows kept
 
 
 @dataclass
@@ -160,6 +163,11 @@ def validate(cfg) -> None:
         bad(f"loss.positions must be 'assistant' or 'all', not {cfg.loss.positions!r}")
     if cfg.draft.target_init.fc not in ("random", "top_layer"):
         bad(f"draft.target_init.fc must be 'random' or 'top_layer', not {cfg.draft.target_init.fc!r}")
+    if cfg.draft.init_vocab not in ("keep", "rebuild"):
+        bad(f"draft.init_vocab must be 'keep' or 'rebuild', not {cfg.draft.init_vocab!r}")
+    init = cfg.draft.target_init
+    if cfg.draft.init_from and (init.lm_head or init.layer is not None or init.fc != "random"):
+        bad("draft.init_from and draft.target_init are alternatives: a head to fine-tune is already initialised")
     if cfg.loss.ttt_steps < 1:
         bad("loss.ttt_steps must be at least 1")
     if not 0 < cfg.hotvocab.ratio <= 1:

@@ -90,7 +90,8 @@ def train(cfg, config_dict: dict | None = None) -> dict:
 
         raise LyannaError(f"not enough data for one optimizer step on {world} ranks with grad_accum {accum}")
     total = cfg.train.max_steps or per_epoch * cfg.train.epochs
-    if cfg.draft.aux_scale:  # from the first batches' features; a resumed run loads the saved scale
+    # the feature scale, from the first batches (a resumed run loads the saved one; an imported head has its own)
+    if parts.draft.cfg.aux_scale and not cfg.draft.init_from:
         from ..models.init import feature_scale, set_aux_scale
 
         first = [source(ref) for ref in plan_epoch(lengths, cfg.data.batch_tokens, cfg.train.seed, 0, 1)[:4]]

@@ -110,6 +110,8 @@ def build_parts(cfg, out_dir: Path, is_main: bool) -> RunParts:
 
     tokenizer = load_tokenizer(cfg.target.name)
     target = load_target_model(cfg.target.name, dtype=getattr(torch, cfg.target.dtype))
+    if cfg.draft.init_from:  # fine-tune an exported or imported head
+        return parts_from_export(cfg, tokenizer, target, out_dir, is_main)
     layers = target.config.num_hidden_layers
     layer_ids = check_layer_ids(cfg.target.aux_layers or default_layer_ids(layers), layers)
     hot_ids = hot_vocabulary(cfg, tokenizer, out_dir, is_main)
@@ -125,6 +127,18 @@ def build_parts(cfg, out_dir: Path, is_main: bool) -> RunParts:
     init = d.target_init
     init_from_target(draft, target, lm_head=init.lm_head, layer=init.layer, fc=init.fc)
     if d.freeze_lm_head:
+        draft.lm_head.weight.requires_grad_(False)
+    lm_weight = target.get_output_embeddings().weight.detach()
+    return RunParts(tokenizer, target, hot_ids, draft, lm_weight, layer_ids, eval_prompts(cfg, tokenizer))
+
+
+def parts_from_export(cfg, tokenizer, target, out_dir: Path, is_main: bool) -> RunParts:
+    from .init_from import draft_from_export
+
+    draft, hot_ids, layer_ids = draft_from_export(
+        cfg, target, tokenizer, lambda: hot_vocabulary(cfg, tokenizer, out_dir, is_main),
+        say=print if is_main else (lambda *_: None))
+    if cfg.draft.freeze_lm_head:
         draft.lm_head.weight.requires_grad_(False)
     lm_weight = target.get_output_embeddings().weight.detach()
     return RunParts(tokenizer, target, hot_ids, draft, lm_weight, layer_ids, eval_prompts(cfg, tokenizer))

@@ -98,7 +98,7 @@ def test_training_forward_equals_step_by_step_serving(pool, variant):
         cache_k = cache_v = None
         for anchor in range(t - steps - 1):
             pos = torch.full((b, 1), anchor)
-            current, k, v = head.forward_cached(head.project_aux(aux[:, anchor:anchor + 1]), ids[:, anchor + 1:anchor + 2], pos,
+            current, k, v = head.forward_cached(head.fuse_features(aux[:, anchor:anchor + 1]), ids[:, anchor + 1:anchor + 2], pos,
                                                 cache_k, cache_v, torch.ones(b, 1, 1, anchor + 1, dtype=torch.bool))
             cache_k = k if cache_k is None else torch.cat([cache_k, k], 2)
             cache_v = v if cache_v is None else torch.cat([cache_v, v], 2)

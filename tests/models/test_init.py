@@ -110,9 +110,9 @@ def test_feature_scale_skips_first_tokens_and_set_aux_scale_can_keep_fc_s_functi
     target = tiny_target()
     draft = init_from_target(draft_for(target, aux_scale=True), target, fc="top_layer")
     x = torch.randn(4, 96)
-    before = draft.project_aux(x)
+    before = draft.fuse_features(x)
     set_aux_scale(draft, scale, keep_function=True)
-    torch.testing.assert_close(draft.project_aux(x), before, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(draft.fuse_features(x), before, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(draft.aux_scale, scale)
     plain = draft_for(target)
     with pytest.raises(LyannaError, match="no feature scale"):

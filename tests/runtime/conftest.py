@@ -33,7 +33,7 @@ def tiny_target():
 
 
 def make_draft(target, pool: bool, draft_vocab: int = 64, seed: int = 0, **variant) -> DraftHead:
-    """``variant``: DraftConfig switches (norm_before_residual, norm_before_fc, norm_output, aux_scale)."""
+    """``variant``: DraftConfig switches (norm_before_residual, norm_before_fc, fc_norm, norm_output, aux_scale)."""
     torch.manual_seed(seed)
     # Threshold 0 when the pool is on: random states rarely reach 0.85, and fusion must be exercised.
     cfg = DraftConfig(target_hidden_size=H, vocab_size=V, draft_vocab_size=draft_vocab, hidden_size=H,
