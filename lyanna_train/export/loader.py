@@ -1,9 +1,9 @@
 """Load an exported draft head back, refusing exports made for another target or tokenizer.
 
 Serving code imports this module alone (it never touches training code): every
-problem with the directory — a missing or corrupted file, a config that does not fit
-the weights, a tensor the name table does not know — is one ``LyannaError`` naming
-the file.
+problem with the directory — a missing file, bytes that do not match the manifest's
+sha256, a config that does not fit the weights, a tensor the name table does not know,
+a NaN or infinite weight — is one ``LyannaError`` naming the file or the tensor.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from ..errors import LyannaError
 from ..models.config import DraftConfig
 from ..models.draft_head import DraftHead
 from . import formats as F
+from .integrity import check_digests, check_finite
 
 
 def read_json(path: Path) -> dict:
@@ -111,12 +112,14 @@ def load_exported(export_dir: str | Path, target, tokenizer=None, *,
 
     export_dir = Path(export_dir)
     manifest = read_manifest(export_dir)
+    check_digests(manifest, export_dir, export_dir / F.MANIFEST_FILE)  # before any byte is trusted
     check_fingerprints(manifest, export_dir, target_fingerprint or fingerprint_of(target), tokenizer)
     fmt = manifest["format"]
     config_file, weights_file = export_dir / F.CONFIG_FILE, export_dir / F.WEIGHTS_FILE
     cfg = config_from_export(fmt, read_json(config_file), config_file)
     state = F.rename(read_tensors(weights_file), F.inverse(F.NAMES[fmt]), str(weights_file))
     check_state(state, cfg, config_file, weights_file)
+    check_finite(state, weights_file)
     hot = load_hot_vocab(export_dir / F.HOT_VOCAB_FILE,
                          expect_fingerprint=(manifest.get("tokenizer") or {}).get("fingerprint"))
     if not torch.equal(hot.d2t, state["d2t"]) or not torch.equal(hot.t2d, state["t2d"]):
