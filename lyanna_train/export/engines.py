@@ -43,6 +43,16 @@ def _architectures(name: str) -> list[str]:
         return []
 
 
+def _complete_converted_copy(ref, model_path: Path) -> None:
+    """A GGUF target's converted copy (our cache) holds the weights alone; engines serving it
+    as the verifier also read its tokenizer there, so it is saved beside them once."""
+    if any((model_path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
+        return
+    from ..target.loading import load_tokenizer
+
+    load_tokenizer(ref).save_pretrained(model_path)
+
+
 def resolve_verifier(target_name: str | None, verifier: str | None = None, target=None) -> dict:
     """{"name_or_path", "architectures"} of the model the engines verify with.
 
@@ -57,7 +67,10 @@ def resolve_verifier(target_name: str | None, verifier: str | None = None, targe
         if not target_name:
             raise LyannaError("the checkpoint does not name its target: pass --verifier PATH_OR_MODEL_ID")
         try:
-            name = model_dir(resolve_target(target_name))
+            ref = resolve_target(target_name)
+            name = model_dir(ref)
+            if ref.gguf_file is not None:
+                _complete_converted_copy(ref, Path(name))
         except LyannaError as err:
             raise LyannaError(f"cannot locate the verifier for target {target_name} ({err}): "
                               "pass --verifier PATH_OR_MODEL_ID") from None
