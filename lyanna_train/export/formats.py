@@ -65,6 +65,17 @@ NAMES: dict[str, dict[str, str | None]] = {
 }
 
 
+def fold_aux_scale(cfg: DraftConfig, state: dict) -> tuple[DraftConfig, dict]:
+    """``fc(aux · s)`` = ``(W · diag s)(aux)``: the per-dimension feature scale goes into fc,
+    so every format (and every engine) sees a plain EAGLE-3 ``fc``."""
+    if not cfg.aux_scale:
+        return cfg, state
+    state = dict(state)
+    scale = state.pop("aux_scale")
+    state["fc.weight"] = (state["fc.weight"].float() * scale.float()[None, :]).to(state["fc.weight"].dtype)
+    return dataclasses.replace(cfg, aux_scale=False), state
+
+
 def hot_vocab_file(fmt: str) -> str:
     """Where the hot-vocabulary map lives in an export, relative to it."""
     return HOT_VOCAB_FILE if fmt == LYANNA else f"{SIDE_DIR}/{HOT_VOCAB_FILE}"
@@ -144,7 +155,7 @@ def eagle3_config(cfg: DraftConfig, dtype: str) -> dict:
     check_eagle3(cfg)
     out = {"architectures": ["LlamaForCausalLMEagle3"], **_llama_fields(cfg, dtype),
            "draft_vocab_size": cfg.draft_vocab_size, "target_hidden_size": cfg.target_hidden_size,
-           "norm_before_residual": False,  # the residual is the un-normed incoming state
+           "norm_before_residual": cfg.norm_before_residual,  # is the residual the normed incoming state?
            "eagle_config": {"use_aux_hidden_state": True}}
     if cfg.aux_layer_ids:
         out["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = sglang_layer_ids(cfg.aux_layer_ids)
@@ -172,7 +183,7 @@ def config_from_eagle3(config: dict, where: str) -> DraftConfig:
             head_dim=int(config.get("head_dim") or hidden // heads), rms_norm_eps=float(config["rms_norm_eps"]),
             rope_theta=float(rope), max_position_embeddings=int(config.get("max_position_embeddings", 4096)),
             num_aux_layers=3, aux_layer_ids=tuple(sglang_layer_ids(ids or ())),
-            pool_size=0, alpha_max=0.0, other_bucket=False)
+            norm_before_residual=bool(config.get("norm_before_residual", False)), pool_size=0, alpha_max=0.0, other_bucket=False)
     except KeyError as err:
         raise LyannaError(f"{where}: missing key {err.args[0]!r}") from None
     except (TypeError, ValueError) as err:
@@ -190,7 +201,7 @@ def speculators_config(cfg: DraftConfig, verifier: dict, speculative_tokens: int
     check_eagle3(cfg)
     out = {"architectures": ["Eagle3Speculator"], "speculators_model_type": "eagle3",
            "draft_vocab_size": cfg.draft_vocab_size, "target_hidden_size": cfg.target_hidden_size,
-           "norm_before_residual": False, "norm_before_fc": False, "fc_norm": False, "norm_output": False,
+           "norm_before_residual": cfg.norm_before_residual, "norm_before_fc": False, "fc_norm": False, "norm_output": False,
            "transformer_layer_config": {"architectures": ["LlamaForCausalLM"], **_llama_fields(cfg, dtype)},
            "speculators_config": {
                "algorithm": "eagle3", "default_proposal_method": "greedy",

@@ -16,7 +16,7 @@ Three layouts, all one decoder layer over ``fc`` of three target layers:
 
 speculators' EAGLE-3 variants (``norm_before_fc``, ``fc_norm``, ``norm_output``, its
 trainer's defaults) are computed as it does; variants the draft cannot compute the same
-way (more layers, q/k norms, ``norm_before_residual``, rope scaling, biases) are refused
+way (more layers, q/k norms, rope scaling, biases) are refused
 by name, never approximated.
 """
 
@@ -33,7 +33,9 @@ LAYOUTS = (SPECULATORS, SPECFORGE, EAGLE)
 EMBED = "embed_tokens.weight"  # the source's copy of the target's embeddings: checked, not kept
 _CORE = {k for k, v in F.NAMES[F.EAGLE3].items() if v is not None}  # DraftHead names of the EAGLE-3 part (midlayer.*, fc, norm, lm_head, d2t, t2d)
 _IGNORED = ("verifier_lm_head.weight", "verifier_norm.weight")  # speculators' frozen training-only copies
-_VARIANTS = ("norm_before_fc", "fc_norm", "norm_output")  # speculators' EAGLE-3 variants the draft computes too
+# speculators' EAGLE-3 variants the draft computes too (its trainer's defaults turn on norm_before_residual,
+# norm_before_fc and norm_output)
+_VARIANTS = ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output")
 _VARIANT_TENSORS = ("input_norm.weight", "fc_norm.")
 
 
@@ -77,9 +79,6 @@ def config_from_speculators(config: dict, where: str) -> tuple[DraftConfig, dict
     if config.get("speculators_model_type") != "eagle3":
         raise LyannaError(f"{where}: speculators model type {config.get('speculators_model_type')!r} is not an "
                           "EAGLE-3 head")
-    if config.get("norm_before_residual"):
-        raise LyannaError(f"{where}: norm_before_residual set; not supported (the draft's layer adds the "
-                          "un-normed incoming state)")
     layer = config.get("transformer_layer_config") or {}
     if layer.get("model_type", "llama") != "llama":
         raise LyannaError(f"{where}: a {layer['model_type']!r} decoder layer is not supported (llama only; "

@@ -164,6 +164,7 @@ def export_checkpoint(checkpoint_dir: str | Path, out_dir: str | Path, fmt: str 
     out_dir = check_output_dir(out_dir, overwrite)
     ckpt = resolve_checkpoint(checkpoint_dir)
     cfg, extra, state = read_checkpoint(ckpt)
+    cfg, state = F.fold_aux_scale(cfg, state)
     if fmt == F.EAGLE3:
         F.check_eagle3(cfg)
     run_dir = ckpt.parent.parent if ckpt.parent.name == "checkpoints" else None

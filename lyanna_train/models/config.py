@@ -24,6 +24,10 @@ class DraftConfig:
     max_position_embeddings: int = 4096
     num_aux_layers: int = 3  # target layers fused by ``fc``
     aux_layer_ids: tuple = ()  # which ones: "output of decoder layer i" (0-based), recorded for serving
+    # the layer's residual is the normed incoming state (EAGLE-3's norm_before_residual, which
+    # vLLM and speculators read): the target's outlier dimensions then never enter the residual
+    norm_before_residual: bool = False
+    aux_scale: bool = False  # a fixed per-dimension scale on the target features before fc (folded into fc on export)
     # Lyanna parts (each can be switched off for ablations)
     pool_size: int = 512  # states kept in the pool (0 = pool off); 128 minimum when on
     pool_threshold: float = 0.85  # cosine similarity needed to use a retrieved state

@@ -25,7 +25,7 @@ from .state_pool import retrieve_causal
 @dataclass
 class StepOutput:
     logits: torch.Tensor  # [B, T, draft_vocab (+1 with the other bucket)]
-    hidden: torch.Tensor  # [B, T, H] fused state fed to the next step
+    hidden: torch.Tensor  # [B, T, H] fused state (the next step reads ``DraftHead.carry`` of it)
     alpha: torch.Tensor  # [B, T] α used (0 where the pool missed)
     hit: torch.Tensor  # [B, T] bool: a pooled state passed the threshold
 
@@ -50,6 +50,8 @@ class DraftHead(nn.Module):
             raise ValueError(f"{len(hot_ids)} hot ids for draft_vocab_size {cfg.draft_vocab_size}")
         self.register_buffer("d2t", hot_ids - torch.arange(len(hot_ids)))
         self.register_buffer("t2d", torch.zeros(cfg.vocab_size, dtype=torch.bool).scatter_(0, hot_ids, True))
+        if cfg.aux_scale:  # set from data by the trainer (training.setup); 1 = the plain EAGLE-3 fc
+            self.register_buffer("aux_scale", torch.ones(cfg.num_aux_layers * cfg.target_hidden_size))
         # The target's own embeddings, frozen and not part of the draft's weights.
         self.register_buffer("embed_weight", target_embeddings.detach().clone(), persistent=False)
 
@@ -64,6 +66,8 @@ class DraftHead(nn.Module):
             x = self.input_norm(x)
         if self.fc_norm is not None:
             x = torch.cat([norm(part) for norm, part in zip(self.fc_norm, x.chunk(len(self.fc_norm), dim=-1))], -1)
+        if self.cfg.aux_scale:
+            x = x * self.aux_scale.to(x.dtype)
         return self.fc(x)
 
     def carry(self, fused: torch.Tensor) -> torch.Tensor:

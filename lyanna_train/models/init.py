@@ -85,6 +85,27 @@ def init_fc_top_layer(draft: DraftHead) -> None:
     draft.fc.weight[:, (cfg.num_aux_layers - 1) * h:].copy_(torch.eye(h))
 
 
+@torch.no_grad()
+def feature_scale(aux: torch.Tensor, first: torch.Tensor | None = None) -> torch.Tensor:
+    """Per-dimension 1/RMS of target features aux [N, k·H] (rows where ``first`` [N] is set —
+    a sequence's first token, whose activations are thousands of times larger — left out)."""
+    aux = aux.float()
+    if first is not None and bool((~first).any()):
+        aux = aux[~first]
+    return aux.pow(2).mean(0).sqrt().clamp(min=1e-3).reciprocal()
+
+
+@torch.no_grad()
+def set_aux_scale(draft: DraftHead, scale: torch.Tensor, keep_function: bool = False) -> None:
+    """Install a per-dimension feature scale; with ``keep_function`` fc is rescaled so that
+    fc(aux · scale) computes what it did before (e.g. after a pass-through initialisation)."""
+    if not draft.cfg.aux_scale:
+        raise LyannaError("this draft has no feature scale (draft.aux_scale is off)")
+    if keep_function:
+        draft.fc.weight.mul_((draft.aux_scale / scale).to(draft.fc.weight)[None, :])
+    draft.aux_scale.copy_(scale)
+
+
 def init_from_target(draft: DraftHead, target, lm_head: bool = False, layer: int | None = None,
                      fc: str = "random") -> DraftHead:
     """Apply the chosen initialisations (see the module docstring); returns ``draft``."""

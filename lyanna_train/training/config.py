@@ -39,6 +39,8 @@ class DraftConf:
     gate_hidden: int = 64  # width of the α-gating network
     target_init: TargetInitConf = field(default_factory=TargetInitConf)  # start from the target's weights
     freeze_lm_head: bool = False  # keep the LM head as initialised (fewer parameters to over-fit)
+    norm_before_residual: bool = False  # the layer's residual is the normed state (outlier dims kept out of it)
+    aux_scale: bool = False  # scale each target-feature dimension by 1/RMS before fc (folded into fc on export)
     # fine-tune an existing head: an export dir (lyanna or eagle3; `lyanna-export import` for other toolkits')
     init_from: Optional[str] = None
     init_vocab: str = "keep"  # keep: the head's vocabulary map; rebuild: the run's hot vocabulary, shared rows kept

@@ -90,6 +90,14 @@ def train(cfg, config_dict: dict | None = None) -> dict:
 
         raise LyannaError(f"not enough data for one optimizer step on {world} ranks with grad_accum {accum}")
     total = cfg.train.max_steps or per_epoch * cfg.train.epochs
+    # the feature scale, from the first batches (a resumed run loads the saved one; an imported head has its own)
+    if parts.draft.cfg.aux_scale and not cfg.draft.init_from:
+        from ..models.init import feature_scale, set_aux_scale
+
+        first = [source(ref) for ref in plan_epoch(lengths, cfg.data.batch_tokens, cfg.train.seed, 0, 1)[:4]]
+        aux = torch.cat([b["aux"][b["valid"]] for b in first])
+        starts = torch.cat([(torch.arange(b["valid"].shape[1]) == 0).expand_as(b["valid"])[b["valid"]] for b in first])
+        set_aux_scale(parts.draft, feature_scale(aux, starts), keep_function=cfg.draft.target_init.fc == "top_layer")
     engine = Engine(parts.draft, cfg.deepspeed, cfg.train, total)
     state = {"step": 0, "epoch": 0, "batch": 0, "tokens": 0, "wandb_id": None}
     root = out_dir / "checkpoints"

@@ -121,7 +121,7 @@ def build_parts(cfg, out_dir: Path, is_main: bool) -> RunParts:
         num_attention_heads=d.num_attention_heads, num_key_value_heads=d.num_key_value_heads, head_dim=d.head_dim,
         pool_size=d.pool_size, pool_threshold=d.pool_threshold, alpha_max=d.alpha_max, gate_hidden=d.gate_hidden,
         other_bucket=cfg.loss.out_of_vocab == "other", num_aux_layers=len(layer_ids),
-        aux_layer_ids=tuple(layer_ids))
+        aux_layer_ids=tuple(layer_ids), norm_before_residual=d.norm_before_residual, aux_scale=d.aux_scale)
     torch.manual_seed(cfg.train.seed)
     draft = DraftHead(draft_cfg, hot_ids, target.get_input_embeddings().weight)
     init = d.target_init

@@ -108,14 +108,15 @@ def write_one(verifier: str, out: str, inputs: str, variants: dict) -> None:
     layer = create_transformer_layer_config(verifier, num_layers=1, draft_arch="llama", hidden_act=None,
                                             sliding_window=2048, full_attention_indices=[])
     vocab, size = layer.vocab_size, variants.pop("draft_vocab_size")
-    kwargs = {"norm_before_fc": True, "norm_output": True, **variants}  # the trainer's EAGLE-3 defaults
+    kwargs = {"norm_before_residual": True, "norm_before_fc": True, "norm_output": True,
+              **variants}  # the trainer's EAGLE-3 defaults
     hot = torch.randperm(vocab)[:size].sort().values
     t2d, d2t = None, None
     if size < vocab:
         t2d = torch.zeros(vocab, dtype=torch.bool).scatter_(0, hot, True)
         d2t = hot - torch.arange(size)
     model = Eagle3DraftModel.from_training_args(
-        verifier_config=layer, t2d=t2d, d2t=d2t, draft_vocab_size=size, norm_before_residual=False, ttt_steps=STEPS,
+        verifier_config=layer, t2d=t2d, d2t=d2t, draft_vocab_size=size, ttt_steps=STEPS,
         verifier_name_or_path=verifier, draft_attn_impl="simple_flex_attention", **kwargs)
     with torch.no_grad():  # off its initialisation (norms at 1, lm_head copied from the verifier)
         for name, p in model.named_parameters():

@@ -112,6 +112,19 @@ def test_eagle3_round_trip_with_the_pool_off(tmp_path, target, tok_fp):
         assert torch.equal(a.logits, b.logits)
 
 
+@pytest.mark.parametrize("fmt", ["lyanna", "eagle3"])
+def test_the_feature_scale_is_folded_into_fc_and_norm_before_residual_is_kept(tmp_path, target, tok_fp, fmt):
+    draft = make_draft(target, pool=False, aux_scale=True, norm_before_residual=True)
+    with torch.no_grad():
+        draft.aux_scale.copy_(torch.rand(3 * H) * 0.1 + 0.01)
+    out = export(tmp_path, draft, target, tok_fp, fmt)
+    loaded, _ = load_exported(out, target)
+    assert not loaded.cfg.aux_scale and "aux_scale" not in load_file(out / F.WEIGHTS_FILE)
+    assert loaded.cfg.norm_before_residual and json.loads((out / F.CONFIG_FILE).read_text())["norm_before_residual"]
+    for a, b in zip(logits(draft), logits(loaded)):
+        torch.testing.assert_close(a.logits, b.logits, rtol=1e-4, atol=1e-5)
+
+
 def test_eagle3_drops_the_other_logit_and_keeps_the_rest(tmp_path, target, tok_fp):
     draft = make_draft(target, pool=False, other_bucket=True)
     loaded, manifest = load_exported(export(tmp_path, draft, target, tok_fp, "eagle3"), target)

@@ -232,7 +232,6 @@ def test_a_head_for_another_target_is_refused_naming_the_mismatch(tmp_path, targ
 
 
 @pytest.mark.parametrize("layout,change,message", [
-    ("speculators", {"norm_before_residual": True}, "norm_before_residual"),
     ("speculators", {"transformer_layer_config": {"model_type": "qwen3"}}, "qwen3"),
     ("specforge", {"num_hidden_layers": 2}, "2 decoder layers"),
     ("specforge", {"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "rope scaling"),

@@ -84,3 +84,20 @@ def test_total_variation_is_one_minus_the_acceptance_probability():
     logits = torch.randn(4, 7, requires_grad=True)
     tv_to_teacher(logits, torch.log_softmax(torch.randn(4, 7), -1)).sum().backward()
     assert logits.grad.abs().sum() > 0
+
+
+def test_the_summary_of_a_bf16_lm_head_is_close_to_fp32():
+    """A bf16 target's summary uses a bf16 product: logsumexp within rounding, and the
+    top-1 the same wherever the best logit leads the second by more than the rounding."""
+    from lyanna_train.data.features import teacher_summary
+
+    torch.manual_seed(0)
+    last, weight = torch.randn(300, 64), torch.randn(5000, 64) * 0.5
+    top1, lse = teacher_summary(last, weight)
+    top1_bf, lse_bf = teacher_summary(last.bfloat16(), weight.bfloat16())
+    assert lse_bf.dtype == torch.float32
+    torch.testing.assert_close(lse_bf, lse, atol=0.15, rtol=0.02)
+    logits = last @ weight.T
+    gap = logits.topk(2).values.diff(dim=-1).abs().squeeze(-1)
+    clear = gap > 0.5
+    assert bool(clear.any()) and torch.equal(top1_bf[clear], top1[clear])

@@ -96,3 +96,24 @@ def test_shape_mismatches_are_one_line_errors():
         init_from_target(draft_for(target), target, layer=7)
     with pytest.raises(LyannaError, match="must be one of"):
         init_from_target(draft_for(target), target, fc="identity")
+
+
+def test_feature_scale_skips_first_tokens_and_set_aux_scale_can_keep_fc_s_function():
+    from lyanna_train.models.init import feature_scale, set_aux_scale
+
+    aux = torch.randn(200, 96) * torch.linspace(0.5, 50, 96)
+    first = torch.zeros(200, dtype=torch.bool)
+    first[::50] = True
+    aux[first] = 1e4  # a massive first-token activation must not set the scale
+    scale = feature_scale(aux, first)
+    torch.testing.assert_close(scale, aux[~first].pow(2).mean(0).rsqrt())
+    target = tiny_target()
+    draft = init_from_target(draft_for(target, aux_scale=True), target, fc="top_layer")
+    x = torch.randn(4, 96)
+    before = draft.fuse_features(x)
+    set_aux_scale(draft, scale, keep_function=True)
+    torch.testing.assert_close(draft.fuse_features(x), before, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(draft.aux_scale, scale)
+    plain = draft_for(target)
+    with pytest.raises(LyannaError, match="no feature scale"):
+        set_aux_scale(plain, scale)
