@@ -156,16 +156,22 @@ def serving_commands(out_dir: Path, cfg, verifier: str, tokens: int, speculators
     d, v = shlex.quote(str(Path(out_dir).resolve())), shlex.quote(verifier)
     vllm_config = json.dumps({"method": "eagle3", "model": str(Path(out_dir).resolve()),
                               "num_speculative_tokens": tokens})
-    ids = json.dumps({"eagle_aux_hidden_state_layer_ids": F.vllm_layer_ids(cfg.aux_layer_ids)})
+    # its converter reads neither from config.json: without them it uses its defaults
+    converter = {"eagle_aux_hidden_state_layer_ids": F.vllm_layer_ids(cfg.aux_layer_ids),
+                 **({"norm_before_residual": True} if cfg.norm_before_residual else {})}
     out = {
         "sglang": f"python -m sglang.launch_server --model-path {v} --speculative-algorithm EAGLE3 "
                   f"--speculative-draft-model-path {d} --speculative-num-steps {tokens} --speculative-eagle-topk 1 "
                   f"--speculative-num-draft-tokens {tokens + 1}",
         "vllm": f"vllm serve {v} --speculative-config {shlex.quote(vllm_config)}",
     }
-    if embeddings:  # its converter reads no layer ids from config.json: without these it uses its defaults
-        out["speculators_convert"] = (f"speculators convert {d} --algorithm eagle3 --verifier {v} "
-                                      f"--algorithm-kwargs {shlex.quote(ids)} --output-path {d}-speculators")
+    if embeddings:
+        out["speculators_convert"] = (f"speculators convert {d} --algorithm eagle3 --verifier {v} --algorithm-kwargs "
+                                      f"{shlex.quote(json.dumps(converter))} --output-path {d}-speculators")
     if speculators:
         out["vllm_speculators"] = f"vllm serve {shlex.quote(str(Path(out_dir).resolve() / F.SPECULATORS_DIR))}"
+    if cfg.norm_before_residual:  # SGLang's layer always adds the un-normed state: it would serve another draft
+        out["sglang"] = None
+        out["notes"] = ["norm_before_residual: SGLang's LlamaForCausalLMEagle3 does not read it (its residual is "
+                        "the un-normed state), so it would serve a different draft; serve this head with vLLM"]
     return out

@@ -109,3 +109,16 @@ def test_each_engine_captures_the_layers_the_head_was_trained_on(exported, targe
     assert ours.shape[-1] == 3 * H
     torch.testing.assert_close(vllm, ours.to(vllm.dtype))
     torch.testing.assert_close(sglang, ours.to(sglang.dtype))
+
+
+def test_a_norm_before_residual_head_is_not_offered_to_sglang(target, smollm2_tokenizer, tmp_path):
+    """SGLang's layer adds the un-normed state whatever the config says: the manifest gives no
+    SGLang command for such a head, and speculators' converter is told the flag."""
+    from lyanna_train.target.fingerprint import tokenizer_fingerprint
+
+    target.save_pretrained(tmp_path / "verifier")
+    out = export(tmp_path, make_draft(target, pool=False, norm_before_residual=True), target,
+                 tokenizer_fingerprint(smollm2_tokenizer), "eagle3", embeddings=True, verifier=str(tmp_path / "verifier"))
+    serving = json.loads((out / F.MANIFEST_FILE).read_text())["serving"]
+    assert serving["sglang"] is None and "vLLM" in serving["notes"][0]
+    assert '"norm_before_residual": true' in serving["speculators_convert"] and serving["vllm"].startswith("vllm serve")
