@@ -261,3 +261,10 @@ def test_our_own_export_is_not_imported_twice(tmp_path, target, smollm2_tokenize
     imported(tmp_path, src, target, smollm2_tokenizer, name="once")
     with pytest.raises(LyannaError, match="already a Lyanna export"):
         import_head(tmp_path / "once", tmp_path / "twice", "tiny", target=target, tokenizer=smollm2_tokenizer)
+
+
+def test_cli_bad_import_is_one_line_and_exit_2(tmp_path, capsys):
+    assert cli_main(["import", str(tmp_path / "nowhere"), "--target", "smollm2", "--out", str(tmp_path / "out")]) == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert len(err) == 1 and err[0].startswith("lyanna-export: error: source directory not found"), err
+    assert not (tmp_path / "out").exists()
