@@ -43,19 +43,28 @@ def build_parser() -> argparse.ArgumentParser:
 @entry_point("build_feature_cache")
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
-    import torch
-
-    from lyanna_train.data.corpus import Corpus
-    from lyanna_train.data.feature_cache_writer import CacheSettings, build_feature_cache
-    from lyanna_train.data.features import parse_layer_ids
-    from lyanna_train.data.samples import CorpusSamples, SampleSettings, refuse_evaluation_sets
-    from lyanna_train.target.loading import load_tokenizer
-    from lyanna_train.target.model import load_target_model
+    from lyanna_train.data.feature_cache_writer import CacheSettings
+    from lyanna_train.locks import output_lock
 
     if args.max_samples is not None and args.max_samples < 1:
         raise LyannaError("--max-samples must be at least 1")
     settings = CacheSettings(max_length=args.max_length, shard_tokens=args.shard_tokens,
                              batch_tokens=args.batch_tokens)
+    # one writer per shard of --out, claimed before the target is loaded (minutes for a large one)
+    with output_lock(args.out, tag=f".shard-{args.shard[0]}of{args.shard[1]}"):
+        return _build(args, settings)
+
+
+def _build(args, settings) -> int:
+    import torch
+
+    from lyanna_train.data.corpus import Corpus
+    from lyanna_train.data.feature_cache_writer import build_feature_cache
+    from lyanna_train.data.features import parse_layer_ids
+    from lyanna_train.data.samples import CorpusSamples, SampleSettings, refuse_evaluation_sets
+    from lyanna_train.target.loading import load_tokenizer
+    from lyanna_train.target.model import load_target_model
+
     corpus = Corpus.resolve(args.corpus)
     refuse_evaluation_sets(corpus)
     tokenizer = load_tokenizer(args.target)

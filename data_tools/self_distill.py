@@ -20,6 +20,7 @@ from lyanna_train.data.corpus import Corpus, ReadNotes, iter_documents
 from lyanna_train.data.samples import refuse_evaluation_sets
 from lyanna_train.data.self_distill import (GenerationSettings, SelfDistiller, append_jsonl, check_output_path,
                                             done_ids, to_sharegpt)
+from lyanna_train.locks import output_lock
 from lyanna_train.target.loading import load_tokenizer
 from lyanna_train.target.model import load_target_model
 
@@ -39,12 +40,16 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--top-p", type=float, default=1.0)
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
+    check_output_path(args.out)
+    with output_lock(args.out):  # one writer per output file
+        return _run(args)
 
+
+def _run(args) -> int:
     import torch
     from tqdm.auto import tqdm
 
     torch.manual_seed(args.seed)
-    check_output_path(args.out)
     corpus = Corpus.resolve(args.corpus)
     refuse_evaluation_sets(corpus)
     done = done_ids(args.out)

@@ -96,3 +96,56 @@ def tiny_llama_smollm2_vocab():
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
                          tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=2)
     return LlamaForCausalLM(config).eval()
+
+
+def _mount_tmpfs(options: str):
+    """A fresh tmpfs with ``options`` (root on Linux only), or None where the machine does not allow it."""
+    import subprocess
+    import sys
+    import tempfile
+
+    if sys.platform != "linux" or os.geteuid() != 0:
+        return None
+    path = Path(tempfile.mkdtemp(prefix="lyanna-tmpfs-"))
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)], capture_output=True).returncode:
+        path.rmdir()
+        return None
+    return path
+
+
+def _unmount(path: Path) -> None:
+    import subprocess
+
+    subprocess.run(["umount", "-l", str(path)], capture_output=True)
+    path.rmdir()
+
+
+@pytest.fixture
+def small_disk():
+    """A real 1 MiB disk (tmpfs) that fills up, or None where mounting is not allowed (then tests
+    make the write raise ENOSPC themselves)."""
+    path = _mount_tmpfs("size=1m,mode=1777")
+    yield path
+    if path is not None:
+        _unmount(path)
+
+
+@pytest.fixture
+def read_only_dir(tmp_path):
+    """A directory nothing can be written into: a read-only tmpfs as root, a mode-0555 folder
+    otherwise; as root without mount rights, a 'directory' that is a regular file."""
+    path = _mount_tmpfs("ro,size=64k")
+    if path is not None:
+        yield path
+        _unmount(path)
+        return
+    if os.geteuid() != 0:
+        path = tmp_path / "read-only"
+        path.mkdir()
+        path.chmod(0o555)
+        yield path
+        path.chmod(0o755)
+        return
+    path = tmp_path / "not-a-directory"
+    path.write_text("")
+    yield path

@@ -102,12 +102,8 @@ def _environment(target) -> dict:
 
 @entry_point("lyanna-bench")
 def main(argv: list[str]) -> int:
-    import dataclasses
-
-    from tqdm import tqdm
-
-    from ..atomic import atomic_directory
     from ..errors import LyannaError
+    from ..locks import output_lock
     from ..runtime import benchmark as B
     from .decode_config import load_decode_settings
 
@@ -121,6 +117,18 @@ def main(argv: list[str]) -> int:
     settings = load_decode_settings(args.decode, args.overrides)
     questions = B.read_questions(args.prompts, args.num_prompts or None)
     out = Path(args.out or f"checkpoints/bench-{Path(args.draft or args.target).name}-{Path(args.prompts).stem}")
+    with output_lock(out):  # checks --out can be written now, not after the whole benchmark; one writer
+        return _run(args, names, settings, questions, out)
+
+
+def _run(args, names: list[str], settings, questions: list, out: Path) -> int:
+    import dataclasses
+
+    from tqdm import tqdm
+
+    from ..atomic import atomic_directory
+    from ..runtime import benchmark as B
+
     target, tokenizer, draft = load_models(args.draft, args.target, "lyanna" in names, args.threads,
                                            not args.stock_linears)
     methods = B.make_methods(names, target, draft, settings, args.pld_tokens)
@@ -145,6 +153,8 @@ def main(argv: list[str]) -> int:
             "pld_tokens": args.pld_tokens, "decode": {"preset": args.decode, "overrides": args.overrides,
                                                       **dataclasses.asdict(settings)},
             "chat": args.chat, "environment": _environment(target)}
+    print(table)  # before writing: a disk that fills up now loses no result
+    print("\n".join(verdict))
     with atomic_directory(out, overwrite=True) as tmp:
         B.write_records(tmp, records)
         (tmp / "summary.json").write_text(json.dumps({**meta, "lossless": lossless, "methods": summary}, indent=2)
@@ -153,8 +163,6 @@ def main(argv: list[str]) -> int:
             f"# lyanna-bench: {args.prompts}, {len(questions)} questions × {args.turns} turn(s), "
             f"{args.max_new_tokens} new tokens\n\n{table}\n\n" + "\n".join(verdict) + "\n", encoding="utf-8")
         plot(summary, tmp / "bench.png")
-    print(table)
-    print("\n".join(verdict))
     print(f"wrote {out}")
     return 1 if lossless["checked"] and not lossless["identical"] else 0
 

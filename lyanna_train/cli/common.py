@@ -29,7 +29,7 @@ def entry_point(prog: str):
     def decorate(main):
         @functools.wraps(main)
         def wrapper(argv=None) -> int:
-            from ..errors import LyannaError
+            from ..errors import LyannaError, os_error_line
 
             os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
             os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -38,6 +38,9 @@ def entry_point(prog: str):
                 return main(sys.argv[1:] if argv is None else argv) or 0
             except LyannaError as err:
                 print(f"{prog}: error: {err}", file=sys.stderr)
+                return 2
+            except OSError as err:  # a read-only or full disk, a permission: the path and the cause
+                print(f"{prog}: error: {os_error_line(err)}", file=sys.stderr)
                 return 2
             except KeyboardInterrupt:
                 print(f"{prog}: interrupted; nothing partial was left behind", file=sys.stderr)

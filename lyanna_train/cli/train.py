@@ -48,13 +48,16 @@ def register_configs() -> None:
 def run(cfg) -> None:
     from omegaconf import OmegaConf
 
-    from ..errors import LyannaError
+    from ..errors import LyannaError, os_error_line
     from ..training.loop import train
 
     try:
         train(cfg, OmegaConf.to_container(cfg, resolve=True))
     except LyannaError as err:
         print(f"lyanna-train: error: {err}", file=sys.stderr)
+        raise SystemExit(2) from None
+    except OSError as err:  # a read-only or full disk, a permission: the path and the cause
+        print(f"lyanna-train: error: {os_error_line(err)}", file=sys.stderr)
         raise SystemExit(2) from None
 
 

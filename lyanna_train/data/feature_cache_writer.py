@@ -31,6 +31,7 @@ import torch
 
 from ..atomic import write_json_atomic
 from ..errors import LyannaError
+from ..locks import output_lock
 from ..target.fingerprint import tokenizer_fingerprint
 from ..target.model import target_fingerprint
 from .batching import collate, length_grouped_batches
@@ -330,16 +331,24 @@ def build_feature_cache(samples: Iterable, model, tokenizer, out: str | Path, *,
 
     ``samples`` is read twice (planning, then computing), so it must be re-iterable
     (a list, or an object whose ``__iter__`` starts over) and yield the same samples
-    each time: objects with ``index``, ``input_ids`` [T] and ``loss_mask`` [T].
+    each time: objects with ``index``, ``input_ids`` [T] and ``loss_mask`` [T]. One
+    process at a time writes each ``--shard I/N`` of ``out`` (others stop at once).
     """
-    from tqdm.auto import tqdm
-
     part, parts = shard
     if not (parts >= 1 and 0 <= part < parts):
         raise LyannaError(f"--shard must be I/N with 0 <= I < N, not {part}/{parts}")
     if iter(samples) is samples:
         raise TypeError("samples must be re-iterable (they are read twice), not a one-shot iterator")
-    out = Path(out)
+    with output_lock(out, tag=f".shard-{part}of{parts}"):
+        return _build(samples, model, tokenizer, Path(out), layer_ids, settings, shard, max_samples, source,
+                      overwrite, progress, say)
+
+
+def _build(samples, model, tokenizer, out: Path, layer_ids, settings, shard, max_samples, source, overwrite,
+           progress, say) -> BuildResult:
+    from tqdm.auto import tqdm
+
+    part, parts = shard
     extractor = FeatureExtractor(model, layer_ids)
     skipped: list[int] = []
     groups = shard_samples(samples, settings, max_samples, skipped)

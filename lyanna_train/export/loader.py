@@ -1,9 +1,9 @@
 """Load an exported draft head back, refusing exports made for another target or tokenizer.
 
 Serving code imports this module alone (it never touches training code): every
-problem with the directory — a missing or corrupted file, a config that does not fit
-the weights, a tensor the name table does not know — is one ``LyannaError`` naming
-the file.
+problem with the directory — a missing file, bytes that do not match the manifest's
+sha256, a config that does not fit the weights, a tensor the name table does not know,
+a NaN or infinite weight — is one ``LyannaError`` naming the file or the tensor.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from ..errors import LyannaError
 from ..models.config import DraftConfig
 from ..models.draft_head import DraftHead
 from . import formats as F
+from .integrity import check_digests, check_finite
 
 
 def read_json(path: Path) -> dict:
@@ -119,6 +120,7 @@ def load_exported(export_dir: str | Path, target, tokenizer=None, *,
 
     export_dir = Path(export_dir)
     manifest = read_manifest(export_dir)
+    check_digests(manifest, export_dir, export_dir / F.MANIFEST_FILE)  # before any byte is trusted
     check_fingerprints(manifest, export_dir, target_fingerprint or fingerprint_of(target), tokenizer)
     fmt = manifest["format"]
     config_file, weights_file = export_dir / F.CONFIG_FILE, export_dir / F.WEIGHTS_FILE
@@ -127,6 +129,7 @@ def load_exported(export_dir: str | Path, target, tokenizer=None, *,
     stored_embed = tensors.pop(F.EMBED_TOKENS, None) if fmt == F.EAGLE3 else None  # --with-embeddings
     state = F.rename(tensors, F.inverse(F.NAMES[fmt]), str(weights_file))
     check_state(state, cfg, config_file, weights_file)
+    check_finite(state, weights_file)
     hot_file = export_dir / hot_vocab_path(manifest, fmt)
     if not hot_file.is_file():
         raise LyannaError(f"missing {hot_file.relative_to(export_dir)} in {export_dir}")

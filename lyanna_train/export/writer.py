@@ -3,9 +3,10 @@
 The directory (``model.safetensors``, ``config.json``, ``hot_vocab.safetensors``,
 ``manifest.json``) is built in a hidden sibling and renamed into place only when
 complete. The manifest records what a loader must check (target and tokenizer
-fingerprints) and what a reader wants to know (training config, final metrics).
-Fingerprints come from the run's own artifacts when they exist (the feature cache
-and hot vocabulary record them), so exporting rarely needs to load the target.
+fingerprints, the sha256 of every file) and what a reader wants to know (training
+config, final metrics). All of it comes from the checkpoint itself (``run.json``,
+written with every checkpoint), never from the run folder around it, so a checkpoint
+copied elsewhere exports the same and exporting does not load the target.
 """
 
 from __future__ import annotations
@@ -22,9 +23,12 @@ import torch
 from .. import __version__
 from ..atomic import atomic_directory, check_output_dir
 from ..errors import LyannaError
+from ..locks import output_lock
 from ..models.config import DraftConfig
+from ..training.checkpoint import RUN_RECORD, read_run_record
 from . import engines
 from . import formats as F
+from .integrity import check_finite, digests
 from .loader import check_state, read_json, read_tensors
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -54,72 +58,61 @@ def read_checkpoint(ckpt: Path) -> tuple[DraftConfig, dict, dict]:
     cfg = F.config_from_lyanna({k: v for k, v in raw.items() if k in known}, str(config_file))
     state = read_tensors(ckpt / F.WEIGHTS_FILE)
     check_state(state, cfg, config_file, ckpt / F.WEIGHTS_FILE)
+    check_finite(state, ckpt / F.WEIGHTS_FILE)
     return cfg, {k: v for k, v in raw.items() if k not in known}, state
 
 
-def _run_json(run_dir: Path | None, rel: str) -> dict:
-    try:
-        return read_json(run_dir / rel) if run_dir is not None and (run_dir / rel).is_file() else {}
-    except LyannaError:
-        return {}
+def _fingerprint_target(target, target_name: str | None, say: Callable) -> str:
+    from ..target.model import load_target_model, target_fingerprint
 
-
-def fingerprints(run_dir: Path | None, target_name: str | None, target=None, tokenizer=None,
-                 say: Callable = print) -> tuple[dict, dict]:
-    """({fingerprint, source}, {fingerprint, source}) of the target and tokenizer the draft was trained on."""
-    from ..target.fingerprint import tokenizer_fingerprint
-    from ..target.model import target_fingerprint
-
-    features, hot = _run_json(run_dir, "features/manifest.json"), _run_json(run_dir, "hotvocab/manifest.json")
-    if target is not None:
-        t = {"fingerprint": target_fingerprint(target), "source": "target model given"}
-    elif (features.get("target") or {}).get("fingerprint"):
-        t = {"fingerprint": features["target"]["fingerprint"], "source": "features/manifest.json"}
-    else:
-        if not target_name:
-            raise LyannaError("the checkpoint does not name its target: pass --target")
-        from ..target.model import load_target_model
-
+    if target is None:
         say(f"loading target {target_name} to fingerprint it")
-        t = {"fingerprint": target_fingerprint(load_target_model(target_name)), "source": f"target {target_name}"}
-    if tokenizer is not None:
-        k = {"fingerprint": tokenizer_fingerprint(tokenizer), "source": "tokenizer given"}
-    elif features.get("tokenizer"):
-        k = {"fingerprint": features["tokenizer"], "source": "features/manifest.json"}
-    elif (hot.get("tokenizer") or {}).get("fingerprint"):
-        k = {"fingerprint": hot["tokenizer"]["fingerprint"], "source": "hotvocab/manifest.json"}
+        target = load_target_model(target_name)
+    return target_fingerprint(target)
+
+
+def fingerprints(record: dict | None, ckpt: Path, recorded_name: str | None, target_name: str | None = None,
+                 target=None, tokenizer=None, say: Callable = print) -> tuple[dict, dict]:
+    """({fingerprint, source}, {fingerprint, source}) of the target and tokenizer the draft was trained on.
+
+    They come from the checkpoint's ``run.json``. A target or tokenizer the caller names
+    (``--target``, or objects) is fingerprinted and must match: exporting a draft for a
+    target it was not trained on is refused. Checkpoints from before ``run.json`` are
+    fingerprinted from the target they name (or ``--target``).
+    """
+    from ..target.fingerprint import tokenizer_fingerprint
+
+    saved_t = ((record or {}).get("target") or {}).get("fingerprint")
+    saved_k = ((record or {}).get("tokenizer") or {}).get("fingerprint")
+    source = f"checkpoint {RUN_RECORD}"
+    if saved_t is not None:
+        t = {"fingerprint": saved_t, "source": source}
+        if target is not None or target_name:
+            given = _fingerprint_target(target, target_name, say)
+            if given != saved_t:
+                raise LyannaError(f"{ckpt} was trained on another target than {target_name or 'the one given'}: "
+                                  f"checkpoint fingerprint {saved_t}, that target's {given}")
     else:
-        if not target_name:
-            raise LyannaError("the checkpoint does not name its target: pass --target")
+        name = target_name or recorded_name
+        if target is None and not name:
+            raise LyannaError(f"{ckpt} does not name its target: pass --target")
+        t = {"fingerprint": _fingerprint_target(target, name, say),
+             "source": "target model given" if target is not None else f"target {name}"}
+    if saved_k is not None:
+        k = {"fingerprint": saved_k, "source": source}
+        if tokenizer is not None and tokenizer_fingerprint(tokenizer) != saved_k:
+            raise LyannaError(f"{ckpt} was trained with another tokenizer: checkpoint fingerprint {saved_k}, "
+                              f"the given tokenizer's {tokenizer_fingerprint(tokenizer)}")
+    elif tokenizer is not None:
+        k = {"fingerprint": tokenizer_fingerprint(tokenizer), "source": "tokenizer given"}
+    else:
         from ..target.loading import load_tokenizer
 
-        k = {"fingerprint": tokenizer_fingerprint(load_tokenizer(target_name)), "source": f"tokenizer {target_name}"}
+        name = target_name or recorded_name
+        if not name:
+            raise LyannaError(f"{ckpt} does not name its target: pass --target")
+        k = {"fingerprint": tokenizer_fingerprint(load_tokenizer(name)), "source": f"tokenizer {name}"}
     return t, k
-
-
-def final_metrics(run_dir: Path | None, step: int | None) -> dict | None:
-    """The last logged value of every metric up to ``step`` (training and evaluation records merge)."""
-    path = run_dir / "metrics.jsonl" if run_dir is not None else None
-    if path is None or not path.is_file():
-        return None
-    merged: dict = {}
-    for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:
-            continue  # a line cut by a crash
-        if isinstance(record, dict) and (step is None or record.get("step", 0) <= step):
-            merged.update(record)
-    return merged or None
-
-
-def _run_config(run_dir: Path | None) -> dict | None:
-    path = run_dir / "config.yaml" if run_dir is not None else None
-    if path is None or not path.is_file():
-        return None
-    import yaml
-
-    return yaml.safe_load(path.read_text(encoding="utf-8"))
 
 
 def format_tensors(state: dict, cfg: DraftConfig, fmt: str, dtype: torch.dtype | None) -> dict:
@@ -146,15 +139,23 @@ def base_manifest(fmt: str, cfg: DraftConfig, target_info: dict, tokenizer_info:
     }
 
 
-def export_checkpoint(checkpoint_dir: str | Path, out_dir: str | Path, fmt: str = F.LYANNA, *,
-                      target=None, tokenizer=None, target_name: str | None = None, dtype: str | None = None,
-                      overwrite: bool = False, speculators: bool = False, verifier: str | None = None,
-                      speculative_tokens: int = 3, embeddings: bool = False, say: Callable = print) -> Path:
+def export_checkpoint(checkpoint_dir: str | Path, out_dir: str | Path, fmt: str = F.LYANNA, **options) -> Path:
     """Write ``out_dir`` from a checkpoint (or a run's latest one); returns the checkpoint used.
 
-    ``embeddings`` (eagle3): also store the verifier's ``embed_tokens.weight`` beside the head, as
-    SpecForge does, for speculators' converter (whose output otherwise loads uninitialised).
+    ``out_dir`` has one writer at a time (a second export there stops at once, naming the first).
+    Options: ``target``, ``tokenizer``, ``target_name``, ``dtype``, ``overwrite``, ``speculators``,
+    ``verifier``, ``speculative_tokens``, ``embeddings`` (eagle3: also store the verifier's
+    ``embed_tokens.weight`` beside the head, as SpecForge does, for speculators' converter,
+    whose output otherwise loads uninitialised), ``say``.
     """
+    with output_lock(out_dir):
+        return _export(checkpoint_dir, out_dir, fmt, **options)
+
+
+def _export(checkpoint_dir: str | Path, out_dir: str | Path, fmt: str = F.LYANNA, *,
+            target=None, tokenizer=None, target_name: str | None = None, dtype: str | None = None,
+            overwrite: bool = False, speculators: bool = False, verifier: str | None = None,
+            speculative_tokens: int = 3, embeddings: bool = False, say: Callable = print) -> Path:
     if fmt not in F.FORMATS:
         raise LyannaError(f"unknown export format {fmt!r} (choose from {', '.join(F.FORMATS)})")
     if dtype is not None and dtype not in DTYPES:
@@ -167,11 +168,11 @@ def export_checkpoint(checkpoint_dir: str | Path, out_dir: str | Path, fmt: str 
     cfg, state = F.fold_aux_scale(cfg, state)
     if fmt == F.EAGLE3:
         F.check_eagle3(cfg)
-    run_dir = ckpt.parent.parent if ckpt.parent.name == "checkpoints" else None
+    record = read_run_record(ckpt)  # export reads the checkpoint alone, never the run folder around it
     step = int(ckpt.name.split("-")[-1]) if ckpt.name.startswith("step-") else None
-    target_name = target_name or extra.get("target")
     say(f"exporting {ckpt} ({fmt} format)")
-    target_info, tokenizer_info = fingerprints(run_dir, target_name, target, tokenizer, say)
+    target_info, tokenizer_info = fingerprints(record, ckpt, extra.get("target"), target_name, target, tokenizer, say)
+    target_name = target_name or ((record or {}).get("target") or {}).get("name") or extra.get("target")
     dropped = [] if fmt == F.LYANNA else [p for p, on in (("state pool", cfg.pool_size > 0),
                                                            ("alpha-gate", cfg.pool_enabled),
                                                            ("other-bucket logit", cfg.other_bucket)) if on]
@@ -179,8 +180,8 @@ def export_checkpoint(checkpoint_dir: str | Path, out_dir: str | Path, fmt: str 
         **base_manifest(fmt, cfg, {"name": target_name, **target_info}, tokenizer_info),
         "dropped": dropped,
         "training": {"checkpoint": str(ckpt.resolve()), "step": step, "draft_config": {**F.lyanna_config(cfg), **extra},
-                     "run_config": _run_config(run_dir)},
-        "metrics": final_metrics(run_dir, step),
+                     "run_config": (record or {}).get("config")},
+        "metrics": (record or {}).get("metrics"),
     }
     engine_verifier = None
     if fmt == F.EAGLE3:
@@ -211,7 +212,8 @@ def _verifier_for_engines(target_name, verifier, target, required: bool) -> dict
 def write_directory(out_dir: Path, cfg: DraftConfig, state: dict, fmt: str, manifest: dict, tokenizer_fp: str, *,
                     dtype: torch.dtype | None = None, overwrite: bool = False, speculators: tuple | None = None,
                     embed: torch.Tensor | None = None, embed_in_root: bool = False, say: Callable = print) -> None:
-    """Write an export directory atomically from a DraftHead state dict and its manifest.
+    """Write an export directory atomically from a DraftHead state dict and its manifest (with
+    the sha256 of every file, which the loader checks).
 
     ``speculators``: (verifier {"name_or_path", "architectures"}, speculative tokens) to add the
     ``speculators/`` directory, which carries ``embed`` (the verifier's embeddings), as the
@@ -240,6 +242,7 @@ def write_directory(out_dir: Path, cfg: DraftConfig, state: dict, fmt: str, mani
         os.replace(hot_file.parent / save_hot_vocab(hot_file.parent, hot, tokenizer_fp), hot_file)
         if speculators:
             engines.write_speculators(tmp, cfg, tensors, *speculators, dtype_name, embed)
+        manifest["sha256"] = digests(tmp, skip=(F.MANIFEST_FILE,))  # checked by the loader
         (tmp / F.MANIFEST_FILE).write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")
         for path in tmp.rglob("*"):  # safetensors writes 0600; a serving directory is read by other users
             if path.is_file():

@@ -13,6 +13,7 @@ from .. import __version__
 from ..atomic import atomic_directory, check_output_dir, write_json_atomic
 from ..data.corpus import Corpus
 from ..errors import LyannaError
+from ..locks import output_lock
 from ..target.fingerprint import tokenizer_fingerprint, vocab_size
 from ..target.loading import load_tokenizer, resolve_target, tokenizer_dir
 from . import artifact
@@ -97,7 +98,12 @@ def _report_notes(result: CountResult, say) -> None:
 def build(corpus_specs: list[str], tokenizer_spec: str, out: str | Path, requests: list[SelectionRequest],
           settings: CountSettings, num_proc: int = 1, overwrite: bool = False, progress: bool = True,
           say=print) -> dict:
-    """Count ``corpus_specs`` with the tokenizer, select ``requests``, write ``out`` atomically."""
+    """Count ``corpus_specs`` with the tokenizer, select ``requests``, write ``out`` atomically (one writer)."""
+    with output_lock(out):
+        return _build(corpus_specs, tokenizer_spec, out, requests, settings, num_proc, overwrite, progress, say)
+
+
+def _build(corpus_specs, tokenizer_spec, out, requests, settings, num_proc, overwrite, progress, say) -> dict:
     if not requests:
         raise LyannaError("no selection requested (give --ratios, --sizes or --coverage)")
     out = check_output_dir(out, overwrite)
@@ -180,7 +186,12 @@ def _summary(manifest: dict, seconds: float, out: Path, say) -> None:
 
 def merge(directories: list[str], out: str | Path, requests: list[SelectionRequest], overwrite: bool = False,
           say=print) -> dict:
-    """Sum the counts of several count directories (e.g. ``--shard I/N`` runs) and re-select."""
+    """Sum the counts of several count directories (e.g. ``--shard I/N`` runs) and re-select (one writer)."""
+    with output_lock(out):
+        return _merge(directories, out, requests, overwrite, say)
+
+
+def _merge(directories, out, requests, overwrite, say) -> dict:
     if not requests:
         raise LyannaError("no selection requested (give --ratios, --sizes or --coverage)")
     if len(directories) < 1:

@@ -188,7 +188,7 @@ def count_worker(corpus: Corpus, tok_dir: str, vocab: int, settings: CountSettin
     """Count the documents of ``worker`` (of ``workers``) within the settings' shard."""
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(tok_dir, local_files_only=True)
+    tokenizer = AutoTokenizer.from_pretrained(tok_dir, local_files_only=True, trust_remote_code=False)
     counter = ShardCounter(tokenizer, vocab, settings, on_flush)
     start = time.perf_counter()
     for item in iter_documents(corpus, counter.result.notes, _keep(settings.shard, worker, workers)):

@@ -17,6 +17,16 @@ from ..embedded import EMBEDDED_TARGETS
 from ..errors import LyannaError
 
 
+REMOTE_CODE_REFUSED = ("it needs Python code shipped in its folder (auto_map / trust_remote_code), which "
+                       "Lyanna never runs; use a model whose architecture transformers supports natively")
+
+
+def refuses_remote_code(err: BaseException) -> bool:
+    """Whether transformers refused to load because the folder asks to run its own code."""
+    text = str(err)
+    return "trust_remote_code" in text or "custom code" in text
+
+
 def cache_root() -> Path:
     return Path(os.environ.get("LYANNA_CACHE", Path.home() / ".cache" / "lyanna_train")).expanduser()
 
@@ -79,8 +89,12 @@ def _from_pretrained(ref: TargetRef, path: str, **kwargs):
     from transformers import AutoTokenizer
 
     try:
-        tok = AutoTokenizer.from_pretrained(path, local_files_only=True, **kwargs)
+        # trust_remote_code=False, never None: with None transformers asks on stdin, and a piped
+        # "y" would run the folder's own Python (auto_map) — a target folder must never run code
+        tok = AutoTokenizer.from_pretrained(path, local_files_only=True, trust_remote_code=False, **kwargs)
     except Exception as err:  # noqa: BLE001 - transformers raises many types
+        if refuses_remote_code(err):
+            raise LyannaError(f"cannot load tokenizer {ref.spec}: {REMOTE_CODE_REFUSED}") from None
         first = (str(err).strip().splitlines() or [type(err).__name__])[0][:200]
         raise LyannaError(f"cannot load tokenizer {ref.spec}: {first}") from None
     if not getattr(tok, "is_fast", False):

@@ -14,7 +14,7 @@ import torch
 
 from ..atomic import atomic_directory
 from ..errors import LyannaError
-from .loading import TargetRef, resolve_target
+from .loading import REMOTE_CODE_REFUSED, TargetRef, refuses_remote_code, resolve_target
 
 # Config fields that decide the shapes and the numerics of a forward pass; anything
 # else (generation defaults, names, paths) may differ between copies of one target.
@@ -44,8 +44,12 @@ def _from_pretrained(ref: TargetRef, path: str, dtype: torch.dtype, **kwargs):
     from transformers import AutoModelForCausalLM
 
     try:
-        return AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=dtype, **kwargs)
+        # never the folder's own code (auto_map), whatever stdin would answer: see loading._from_pretrained
+        return AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=dtype, trust_remote_code=False,
+                                                    **kwargs)
     except Exception as err:  # noqa: BLE001 - transformers raises many types
+        if refuses_remote_code(err):
+            raise LyannaError(f"cannot load target model {ref.spec}: {REMOTE_CODE_REFUSED}") from None
         raise LyannaError(f"cannot load target model {ref.spec}: {_first_line(err)}") from None
 
 

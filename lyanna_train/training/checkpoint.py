@@ -1,10 +1,15 @@
-"""Checkpoints: written atomically, found by name, pruned to the last N.
+"""Checkpoints: written atomically, found by name, pruned to the last N, self-describing.
 
 A checkpoint is saved under a hidden ``.partial-*`` name and renamed to ``step-NNNNNNNN``
 only once every rank has written its part, so a crash mid-save never leaves a
-directory that is chosen as the latest. Besides DeepSpeed's own files (model,
-optimizer, scheduler, per-rank state), the main rank writes the draft's weights as
-``model.safetensors`` with ``draft_config.json`` for export.
+directory that is chosen as the latest; a failed save (a full disk) removes its
+partial directory and stops with one line. Besides DeepSpeed's own files (model,
+optimizer, scheduler, per-rank state; loaded back with ``weights_only=True``), the
+main rank writes what export needs, so that export reads the checkpoint alone:
+
+* ``model.safetensors`` + ``draft_config.json``: the draft's weights and shape;
+* ``run.json``: the target's and tokenizer's fingerprints, the resolved run config and
+  the last value of every metric logged up to this step.
 """
 
 from __future__ import annotations
@@ -15,11 +20,14 @@ import re
 import shutil
 from pathlib import Path
 
+import torch
 from safetensors.torch import save_file
 
-from ..errors import LyannaError
+from ..atomic import write_json_atomic
+from ..errors import LyannaError, write_failure
 
 _NAME = re.compile(r"^step-(\d{8})$")
+RUN_RECORD = "run.json"
 
 
 def complete_checkpoints(root: Path) -> list[Path]:
@@ -35,10 +43,10 @@ def latest_checkpoint(root: Path) -> Path | None:
 
 
 def resolve_resume(resume: str, root: Path) -> Path | None:
-    """``auto`` -> latest complete checkpoint (or None); ``never`` -> None; else a path that must exist."""
+    """``auto``/``force`` -> latest complete checkpoint (or None); ``never`` -> None; else a path that must exist."""
     if resume == "never":
         return None
-    if resume == "auto":
+    if resume in ("auto", "force"):
         return latest_checkpoint(root)
     path = Path(resume)
     if not path.is_dir() or not _NAME.match(path.name):
@@ -46,11 +54,72 @@ def resolve_resume(resume: str, root: Path) -> Path | None:
     return path
 
 
+def remove_partials(root: Path) -> list[Path]:
+    """Delete ``.partial-*`` saves; call only while holding the run folder's lock (they are then stale)."""
+    found = sorted(root.glob(".partial-*")) if root.is_dir() else []
+    for stale in found:
+        shutil.rmtree(stale, ignore_errors=True)
+    return found
+
+
 def write_draft_weights(directory: Path, draft, extra_config: dict) -> None:
     """The draft's own weights (no DeepSpeed wrapper), for export and inspection."""
     state = {k: v.detach().cpu().contiguous() for k, v in draft.state_dict().items()}
     save_file(state, str(directory / "model.safetensors"))
     (directory / "draft_config.json").write_text(json.dumps({**draft.cfg.to_dict(), **extra_config}, indent=2))
+
+
+def write_run_record(directory: Path, record: dict) -> None:
+    """``run.json``: fingerprints, resolved config and metrics (JSON only: nothing in it can run code)."""
+    write_json_atomic(directory / RUN_RECORD, record)
+
+
+def read_run_record(checkpoint: Path) -> dict | None:
+    """The checkpoint's ``run.json``, or None for checkpoints written before it existed; corrupt -> one line."""
+    path = checkpoint / RUN_RECORD
+    if not path.is_file():
+        return None
+    try:
+        record = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise LyannaError(f"{path} is unreadable or not valid JSON: {err}") from None
+    if not isinstance(record, dict):
+        raise LyannaError(f"{path} does not hold a JSON object")
+    return record
+
+
+def save(engine, root: Path, step: int, client_state: dict, write_main, keep_last: int) -> Path:
+    """Every rank writes its part into ``.partial-step-N``; then the main rank renames it into place.
+
+    ``write_main(directory)`` adds the main rank's own files. A write failure on any
+    rank (full disk, read-only folder) removes the partial directory on every rank's
+    behalf and raises one line naming it and the cause; earlier checkpoints stay intact.
+    """
+    partial = root / partial_name(step)
+    cause = None
+    try:
+        engine.save(root, partial.name, client_state)
+        if engine.rank == 0:
+            write_main(partial)
+    except Exception as err:  # noqa: BLE001 - reworded below when it is a write failure
+        cause = write_failure(err, partial)
+        if cause is None:
+            raise
+    failed = torch.tensor([0.0 if cause is None else 1.0])
+    if engine.world_size > 1:
+        torch.distributed.all_reduce(failed, op=torch.distributed.ReduceOp.MAX)
+    if failed.item():
+        engine.barrier()
+        if engine.rank == 0:
+            shutil.rmtree(partial, ignore_errors=True)
+        raise LyannaError(f"cannot save checkpoint {root / f'step-{step:08d}'}: {cause or 'another rank failed to write'}"
+                          f" (the partial save was removed; earlier checkpoints are intact)")
+    engine.barrier()
+    final = root / f"step-{step:08d}"
+    if engine.rank == 0:
+        finalize(partial, root, step, keep_last)
+    engine.barrier()
+    return final
 
 
 def finalize(partial: Path, root: Path, step: int, keep_last: int) -> Path:

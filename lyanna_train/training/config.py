@@ -151,51 +151,25 @@ class Config:
 
 
 def validate(cfg) -> None:
-    """Cross-field checks; raises :class:`LyannaError` naming the offending field."""
+    """Every field against its allowed range, then the cross-field checks, then the paths the run reads.
+
+    Raises :class:`LyannaError` naming the offending field; runs before any work.
+    """
+    from .validation import check_paths, check_values
+
+    check_values(cfg)
+
     def bad(msg):
         raise LyannaError(f"config: {msg}")
 
-    if cfg.data.features not in ("cached", "online"):
-        bad(f"data.features must be 'cached' or 'online', not {cfg.data.features!r}")
-    if cfg.loss.out_of_vocab not in ("mask", "other"):
-        bad(f"loss.out_of_vocab must be 'mask' or 'other', not {cfg.loss.out_of_vocab!r}")
-    if cfg.loss.positions not in ("assistant", "all"):
-        bad(f"loss.positions must be 'assistant' or 'all', not {cfg.loss.positions!r}")
-    if cfg.draft.target_init.fc not in ("random", "top_layer"):
-        bad(f"draft.target_init.fc must be 'random' or 'top_layer', not {cfg.draft.target_init.fc!r}")
-    if cfg.draft.init_vocab not in ("keep", "rebuild"):
-        bad(f"draft.init_vocab must be 'keep' or 'rebuild', not {cfg.draft.init_vocab!r}")
     init = cfg.draft.target_init
     if cfg.draft.init_from and (init.lm_head or init.layer is not None or init.fc != "random"):
         bad("draft.init_from and draft.target_init are alternatives: a head to fine-tune is already initialised")
-    if cfg.loss.ttt_steps < 1:
-        bad("loss.ttt_steps must be at least 1")
-    if not 0 < cfg.hotvocab.ratio <= 1:
-        bad(f"hotvocab.ratio {cfg.hotvocab.ratio} is outside (0, 1]")
-    if cfg.deepspeed.zero_stage not in (0, 1, 2):
-        bad("deepspeed.zero_stage must be 0, 1 or 2 (the draft is small; stage 3 buys nothing)")
-    if cfg.deepspeed.precision not in ("auto", "fp32", "bf16"):
-        bad(f"deepspeed.precision must be auto, fp32 or bf16, not {cfg.deepspeed.precision!r}")
-    if cfg.train.autocast not in (None, "bfloat16", "float16"):
-        bad(f"train.autocast must be null, bfloat16 or float16, not {cfg.train.autocast!r}")
-    if cfg.train.grad_accum < 1 or cfg.train.log_every < 1:
-        bad("train.grad_accum and train.log_every must be at least 1")
-    if cfg.train.max_steps is not None and cfg.train.max_steps < 1:
-        bad("train.max_steps must be at least 1")
-    if cfg.train.warmup_steps < 0 or not 0 <= cfg.train.min_lr_ratio <= 1:
-        bad("train.warmup_steps must be >= 0 and train.min_lr_ratio in [0, 1]")
     if cfg.data.batch_tokens < cfg.data.max_length:
         bad(f"data.batch_tokens ({cfg.data.batch_tokens}) must hold one sample of data.max_length ({cfg.data.max_length})")
     if "mtbench" in [str(c) for c in cfg.data.corpus]:
         bad("data.corpus includes mtbench, the evaluation set: it is for measuring, not training")
-    if cfg.tracking.wandb.mode not in ("auto", "online", "offline"):
-        bad(f"tracking.wandb.mode must be auto, online or offline, not {cfg.tracking.wandb.mode!r}")
-    if cfg.eval.heldout_samples < 0 or cfg.eval.agreement_steps < 1:
-        bad("eval.heldout_samples must be >= 0 and eval.agreement_steps >= 1")
-    if cfg.data.max_tokens is not None and cfg.data.max_tokens < 1:
-        bad("data.max_tokens must be at least 1 (or null for the whole cache)")
-    if cfg.eval.depth < 1:
-        bad("eval.depth must be at least 1")
+    check_paths(cfg)
 
 
 def register() -> None:

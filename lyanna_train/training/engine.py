@@ -8,10 +8,15 @@ process or under the launcher, on CPU (gloo, fp32) or GPU (nccl, bf16).
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
+import pickle
+import re
 
 import torch
+
+from ..errors import LyannaError
 
 
 def _on_gpu() -> bool:
@@ -108,9 +113,50 @@ class Engine:
         self.engine.save_checkpoint(str(root), tag=tag, client_state=client_state, save_latest=False)
 
     def load(self, root, tag: str) -> dict:
-        _, client_state = self.engine.load_checkpoint(str(root), tag=tag, load_optimizer_states=True,
-                                                      load_lr_scheduler_states=True)
-        return client_state or {}
+        """Restore model, optimizer, schedule and the client state, unpickling tensors and plain data only.
+
+        A run folder may come from someone else: a ``.pt`` file there must never run code.
+        DeepSpeed reads its files through its checkpoint engine with ``weights_only=False``;
+        here that engine is swapped for one that loads ``weights_only=True``, and
+        ``TORCH_FORCE_WEIGHTS_ONLY_LOAD`` covers any other ``torch.load`` on the way.
+        """
+        where = os.path.join(str(root), tag)
+        if not isinstance(self.engine.checkpoint_engine, _WeightsOnlyLoads):
+            self.engine.checkpoint_engine = _WeightsOnlyLoads(self.engine.checkpoint_engine)
+        try:
+            with _force_weights_only():
+                _, client_state = self.engine.load_checkpoint(str(root), tag=tag, load_optimizer_states=True,
+                                                              load_lr_scheduler_states=True)
+        except pickle.UnpicklingError as err:
+            found = re.search(r"GLOBAL (\S+) was not an allowed global", str(err))
+            refused = f"the global {found.group(1)}" if found else "an unsafe pickle"
+            raise LyannaError(f"refusing to load {where}: it holds pickled objects other than tensors and plain "
+                              f"data, which could run code ({refused}); it was not loaded") from None
+        except (RuntimeError, ValueError, EOFError, OSError, KeyError) as err:
+            detail = " ".join(str(err).split())[:300]
+            if any(m in detail for m in ("size mismatch", "Unexpected key", "Missing key", "state_dict")):
+                raise LyannaError(f"cannot resume from {where}: its weights do not fit the configured draft "
+                                  f"({detail}); resuming needs the draft settings it was trained with") from None
+            raise LyannaError(f"cannot resume from {where}: a checkpoint file is unreadable "
+                              f"(truncated or corrupted?): {detail}") from None
+        if client_state is None:
+            raise LyannaError(f"cannot resume from {where}: DeepSpeed found no checkpoint there")
+        return client_state
+
+    def apply_hyperparameters(self, ds, train, total_steps: int) -> None:
+        """After a forced resume: the new config's optimizer settings and schedule, from the resumed step on.
+
+        A checkpoint restores the old learning rate, betas and schedule; ``train.resume=force``
+        means "continue these weights with the new settings", so they are set again here.
+        """
+        schedule = self.scheduler
+        schedule.base_lrs = [train.lr for _ in schedule.base_lrs]
+        schedule.lr_lambdas = [lr_lambda(train.warmup_steps, total_steps, train.min_lr_ratio)
+                               for _ in schedule.lr_lambdas]
+        for group, f in zip(self.optimizer.param_groups, schedule.lr_lambdas):
+            group.update(betas=tuple(ds.betas), eps=ds.eps, weight_decay=train.weight_decay, initial_lr=train.lr,
+                         lr=train.lr * f(schedule.last_epoch))
+        schedule._last_lr = [group["lr"] for group in self.optimizer.param_groups]
 
     def barrier(self) -> None:
         torch.distributed.barrier()
@@ -125,3 +171,29 @@ class Engine:
             torch.distributed.all_reduce(stacked)
             stacked /= self.world_size
         return dict(zip(keys, stacked.tolist()))
+
+
+@contextlib.contextmanager
+def _force_weights_only():
+    before = os.environ.get("TORCH_FORCE_WEIGHTS_ONLY_LOAD")
+    os.environ["TORCH_FORCE_WEIGHTS_ONLY_LOAD"] = "1"
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("TORCH_FORCE_WEIGHTS_ONLY_LOAD", None)
+        else:
+            os.environ["TORCH_FORCE_WEIGHTS_ONLY_LOAD"] = before
+
+
+class _WeightsOnlyLoads:
+    """DeepSpeed's checkpoint engine with ``load`` unpickling tensors and plain data only (saving unchanged)."""
+
+    def __init__(self, inner):
+        self._inner = inner
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+    def load(self, path: str, map_location=None):
+        return torch.load(path, map_location=map_location, weights_only=True)

@@ -9,8 +9,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..atomic import write_text_atomic
+from ..errors import LyannaError
 from . import checkpoint as ckpt
+from . import run_folder
 from .batches import CachedBatches, OnlineBatches, cache_lengths, first_tokens, plan_epoch
 from .config import validate
 from .engine import Engine, init_distributed
@@ -21,13 +22,18 @@ from .tracking import Tracker
 
 
 def _rng_state() -> dict:
-    return {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
+    """Every generator's state as tensors and plain data (checkpoints load ``weights_only``: no numpy objects)."""
+    name, keys, pos, has_gauss, cached = np.random.get_state()
+    return {"torch": torch.get_rng_state(), "python": random.getstate(),
+            "numpy": [name, keys.tolist(), int(pos), int(has_gauss), float(cached)]}
 
 
 def _set_rng_state(state: dict) -> None:
     torch.set_rng_state(state["torch"])
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    name, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((name, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
 
 
 def evaluate(cfg, parts, draft, agreement=None) -> dict:
@@ -53,21 +59,35 @@ def evaluate(cfg, parts, draft, agreement=None) -> dict:
 
 
 def train(cfg, config_dict: dict | None = None) -> dict:
-    validate(cfg)
+    """Validate, claim the run folder (one run at a time, same config), then set up, train and save."""
+    validate(cfg)  # every value, before any work
     if cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)
     rank, world = init_distributed(cfg.deepspeed.backend)
-    out_dir = Path(cfg.train.out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
     say = print if rank == 0 else (lambda *_: None)
-    if rank == 0:  # the resolved config, beside the checkpoints (exports carry it in their manifest)
-        from omegaconf import OmegaConf
+    out_dir = Path(cfg.train.out_dir)
+    with run_folder.claim(cfg, out_dir, rank, world, say) as claimed:
+        return _train(cfg, config_dict, claimed, out_dir, rank, world, say)
 
-        write_text_atomic(out_dir / "config.yaml", OmegaConf.to_yaml(cfg, resolve=True))
+
+def _check_same_target(record: dict | None, fingerprints: dict, checkpoint: Path) -> None:
+    """A checkpoint continues only on the target (and tokenizer) it was trained on, even under force."""
+    for part in ("target", "tokenizer"):
+        saved = ((record or {}).get(part) or {}).get("fingerprint")
+        if saved is not None and saved != fingerprints[part]["fingerprint"]:
+            raise LyannaError(f"cannot resume from {checkpoint}: it was trained on another {part} (fingerprint "
+                              f"{saved}, this {part}'s {fingerprints[part]['fingerprint']}); use a new train.out_dir")
+
+
+def _train(cfg, config_dict, claimed, out_dir: Path, rank: int, world: int, say) -> dict:
+    from ..target.fingerprint import tokenizer_fingerprint
+    from ..target.model import target_fingerprint
 
     # ---- setup
     parts = build_parts(cfg, out_dir, rank == 0)
     agreement = None
+    fingerprints = {"target": {"name": cfg.target.name, "fingerprint": target_fingerprint(parts.target)},
+                    "tokenizer": {"fingerprint": tokenizer_fingerprint(parts.tokenizer)}}
     if cfg.data.features == "cached":
         samples = training_samples(cfg, parts.tokenizer)
         cache = feature_cache(cfg, samples, parts.target, parts.tokenizer, parts.layer_ids, out_dir, rank, world)
@@ -86,8 +106,6 @@ def train(cfg, config_dict: dict | None = None) -> dict:
     accum = cfg.train.grad_accum
     per_epoch = len(plan_epoch(lengths, cfg.data.batch_tokens, cfg.train.seed, 0, world, accum)) // world // accum
     if per_epoch == 0:
-        from ..errors import LyannaError
-
         raise LyannaError(f"not enough data for one optimizer step on {world} ranks with grad_accum {accum}")
     total = cfg.train.max_steps or per_epoch * cfg.train.epochs
     # the feature scale, from the first batches (a resumed run loads the saved one; an imported head has its own)
@@ -101,29 +119,40 @@ def train(cfg, config_dict: dict | None = None) -> dict:
     engine = Engine(parts.draft, cfg.deepspeed, cfg.train, total)
     state = {"step": 0, "epoch": 0, "batch": 0, "tokens": 0, "wandb_id": None}
     root = out_dir / "checkpoints"
-    resume = ckpt.resolve_resume(cfg.train.resume, root)
-    if resume is not None:
-        client = engine.load(root if resume.parent == root else resume.parent, resume.name)
+    latest_metrics: dict = {}
+    if claimed.resume_from is not None:
+        resume = Path(claimed.resume_from)
+        record = ckpt.read_run_record(resume)
+        _check_same_target(record, fingerprints, resume)
+        client = engine.load(resume.parent, resume.name)
         state.update(client["state"])
         _set_rng_state(client["rng"][rank] if isinstance(client["rng"], list) else client["rng"])
+        latest_metrics = (record or {}).get("metrics") or {}
+        if claimed.forced:
+            engine.apply_hyperparameters(cfg.deepspeed, cfg.train, total)
         say(f"resumed from {resume} at step {state['step']}")
-    tracker = Tracker(cfg.tracking, out_dir, rank == 0, config_dict or {}, state["wandb_id"])
+        if state["step"] >= total:
+            say(f"{resume} is already at step {state['step']} of {total}: nothing to train")
+            return {"step": state["step"], "out_dir": str(out_dir),
+                    **{k: v for k, v in latest_metrics.items() if k.startswith("eval/")}}
+    tracker = Tracker(cfg.tracking, out_dir, rank == 0, config_dict or {}, state["wandb_id"],
+                      start_step=state["step"], latest=latest_metrics)
     state["wandb_id"] = tracker.run_id
     say(f"training: {total} steps ({per_epoch} per epoch) on {world} rank(s), draft vocabulary {len(parts.hot_ids)}, "
         f"{sum(p.numel() for p in parts.draft.parameters() if p.requires_grad):,} trainable parameters")
+    resolved = run_folder.resolved(cfg)
 
     def save() -> None:
-        tag = ckpt.partial_name(state["step"])
         rngs = [None] * world
         torch.distributed.all_gather_object(rngs, _rng_state())
-        engine.save(root, tag, {"state": dict(state), "rng": rngs})
-        if rank == 0:
-            ckpt.write_draft_weights(root / tag, engine.module, {"layer_ids": list(parts.layer_ids),
+
+        def write_main(directory: Path) -> None:
+            ckpt.write_draft_weights(directory, engine.module, {"layer_ids": list(parts.layer_ids),
                                                                 "target": cfg.target.name})
-        engine.barrier()
-        if rank == 0:
-            ckpt.finalize(root / tag, root, state["step"], cfg.train.keep_last)
-        engine.barrier()
+            ckpt.write_run_record(directory, {"step": state["step"], **fingerprints, "config": resolved,
+                                              "metrics": dict(tracker.latest)})
+
+        ckpt.save(engine, root, state["step"], {"state": dict(state), "rng": rngs}, write_main, cfg.train.keep_last)
 
     # ---- train
     bar = None
@@ -179,14 +208,15 @@ def train(cfg, config_dict: dict | None = None) -> dict:
     if bar is not None:
         bar.close()
 
-    # ---- save and clean up
-    save()
+    # ---- evaluate, save (the checkpoint records the final metrics) and clean up
     final = {}
     if rank == 0:
         final = evaluate(cfg, parts, engine.module, agreement)
-        tracker.log(state["step"], final)
-        say(f"done: step {state['step']}, checkpoint {ckpt.latest_checkpoint(root)}; " +
-            ", ".join(f"{k} {v:.3f}" for k, v in final.items()))
+        if final:
+            tracker.log(state["step"], final)
     engine.barrier()
+    save()
+    say(f"done: step {state['step']}, checkpoint {ckpt.latest_checkpoint(root)}; " +
+        ", ".join(f"{k} {v:.3f}" for k, v in final.items()))
     tracker.finish()
     return {"step": state["step"], "out_dir": str(out_dir), **final}

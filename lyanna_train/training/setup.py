@@ -45,7 +45,9 @@ def hot_vocabulary(cfg, tokenizer, out_dir: Path, is_main: bool) -> torch.Tensor
     vocab = vocab_size(tokenizer)
     if cfg.hotvocab.full_vocab:
         return torch.arange(vocab)
-    size = cfg.hotvocab.size or int(cfg.hotvocab.ratio * vocab + 0.5)
+    size = cfg.hotvocab.size or max(1, int(cfg.hotvocab.ratio * vocab + 0.5))
+    if size > vocab:  # checked before anything is built: a bad size must not leave a hot vocabulary behind
+        raise LyannaError(f"config: hotvocab.size = {size} is not allowed (allowed: 1 to the vocabulary size, {vocab})")
     fingerprint = tokenizer_fingerprint(tokenizer)
     path = Path(cfg.hotvocab.path) if cfg.hotvocab.path else out_dir / "hotvocab"
     if cfg.hotvocab.path is None and is_main and not (path / "manifest.json").exists():
@@ -61,7 +63,11 @@ def hot_vocabulary(cfg, tokenizer, out_dir: Path, is_main: bool) -> torch.Tensor
         if size not in sizes:
             raise LyannaError(f"hot vocabulary {path} has no selection of size {size} (available: {sizes}); "
                               "set hotvocab.size or hotvocab.ratio to one of them")
-    return load_hot_vocab(path, size=size if path.is_dir() else None, expect_fingerprint=fingerprint).hot_ids
+    hot = load_hot_vocab(path, size=size if path.is_dir() else None, expect_fingerprint=fingerprint)
+    if cfg.hotvocab.size is not None and hot.size != cfg.hotvocab.size:
+        raise LyannaError(f"config: hotvocab.size = {cfg.hotvocab.size}, but hotvocab.path {path} holds a hot "
+                          f"vocabulary of {hot.size}: drop hotvocab.size or point hotvocab.path at that selection")
+    return hot.hot_ids
 
 
 def feature_cache(cfg, samples: CorpusSamples, target, tokenizer, layer_ids, out_dir: Path, rank: int, world: int,

@@ -18,7 +18,7 @@ from lyanna_train.models.config import DraftConfig
 from lyanna_train.models.draft_head import DraftHead
 from lyanna_train.target.fingerprint import tokenizer_fingerprint
 from lyanna_train.target.model import target_fingerprint
-from lyanna_train.training.checkpoint import write_draft_weights
+from lyanna_train.training.checkpoint import write_draft_weights, write_run_record
 
 V, H, LAYER_IDS = 256, 64, (0, 1, 2)
 EAGLE3_TENSORS = {
@@ -64,18 +64,18 @@ def make_draft(target, pool: bool, other_bucket: bool = False, seed: int = 0, **
     return draft.eval()
 
 
-def make_run(root, draft, target, tok_fp, steps=(1,), features=True, target_name="tiny"):
-    """A run directory as training leaves it: checkpoints/step-*/, metrics.jsonl, features/manifest.json."""
+def make_run(root, draft, target, tok_fp, steps=(1,), record=True, target_name="tiny"):
+    """A run directory as training leaves it: checkpoints/step-*/ with weights, draft config and run.json
+    (fingerprints, config, metrics); ``record=False``: a checkpoint from before run.json existed."""
     for step in steps:
         ckpt = root / "checkpoints" / f"step-{step:08d}"
         ckpt.mkdir(parents=True)
         write_draft_weights(ckpt, draft, {"layer_ids": list(LAYER_IDS), "target": target_name})
-    if features:
-        (root / "features").mkdir()
-        (root / "features" / "manifest.json").write_text(json.dumps(
-            {"target": {"fingerprint": target_fingerprint(target)}, "tokenizer": tok_fp}))
-    records = [{"step": 1, "loss/total": 3.0}, {"step": 1, "eval/mean_tau": 1.5}, {"step": 9, "loss/total": 0.1}]
-    (root / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records) + '{"cut by a cra')
+        if record:
+            write_run_record(ckpt, {"step": step, "target": {"name": target_name,
+                                                             "fingerprint": target_fingerprint(target)},
+                                    "tokenizer": {"fingerprint": tok_fp}, "config": {"train": {"lr": 0.001}},
+                                    "metrics": {"step": step, "loss/total": 3.0, "eval/mean_tau": 1.5}})
     return root
 
 
@@ -211,9 +211,11 @@ def test_manifest_describes_the_export(tmp_path, target, tok_fp):
     out = export(tmp_path, make_draft(target, pool=True), target, tok_fp, "lyanna")
     manifest = json.loads((out / F.MANIFEST_FILE).read_text())
     assert manifest["target"] == {"name": "tiny", "fingerprint": target_fingerprint(target),
-                                  "source": "features/manifest.json"}
-    assert manifest["tokenizer"]["fingerprint"] == tok_fp and manifest["lyanna_train"]
+                                  "source": "checkpoint run.json"}
+    assert manifest["tokenizer"] == {"fingerprint": tok_fp, "source": "checkpoint run.json"} and manifest["lyanna_train"]
     assert manifest["training"]["step"] == 1 and manifest["training"]["draft_config"]["layer_ids"] == [0, 1, 2]
+    assert manifest["training"]["run_config"] == {"train": {"lr": 0.001}}
+    assert sorted(manifest["sha256"]) == ["config.json", "hot_vocab.safetensors", "model.safetensors"]
     assert manifest["metrics"]["loss/total"] == 3.0 and manifest["metrics"]["eval/mean_tau"] == 1.5
     assert load_hot_vocab(out / F.HOT_VOCAB_FILE, expect_fingerprint=tok_fp).size == 48
 
@@ -232,6 +234,15 @@ def test_another_target_or_tokenizer_is_refused(tmp_path, target, tok_fp, smollm
     assert "sha256:0000" in str(err.value) and tok_fp in str(err.value)
 
 
+def _rehash(out):
+    """Record the current bytes in the manifest, as if the export had been written like this."""
+    from lyanna_train.export.integrity import digests
+
+    manifest = json.loads((out / F.MANIFEST_FILE).read_text())
+    manifest["sha256"] = digests(out, skip=(F.MANIFEST_FILE,))
+    (out / F.MANIFEST_FILE).write_text(json.dumps(manifest))
+
+
 def _spoil(out, case):
     weights, config = out / F.WEIGHTS_FILE, out / F.CONFIG_FILE
     if case.startswith("missing-"):
@@ -246,6 +257,8 @@ def _spoil(out, case):
         config.write_text(json.dumps({**json.loads(config.read_text()), "intermediate_size": 100}))
     elif case == "bad-json":
         config.write_text("{not json")
+    if case in ("unknown-key", "shape", "bad-json"):  # checks behind the checksums
+        _rehash(out)
 
 
 @pytest.mark.parametrize("case,names", [
@@ -294,7 +307,7 @@ def test_cli_picks_the_latest_complete_checkpoint(tmp_path, target, tok_fp, caps
 ])
 def test_cli_bad_input_is_one_line_and_exit_2(tmp_path, target, tok_fp, capsys, case, message):
     draft = make_draft(target, pool=False)
-    run = make_run(tmp_path / "run", draft, target, tok_fp, features=case != "unknown-target",
+    run = make_run(tmp_path / "run", draft, target, tok_fp, record=case != "unknown-target",
                    target_name="no-such-target")
     args, out = [str(run), "--out", str(tmp_path / "out")], tmp_path / "out"
     if case == "no-such-dir":

@@ -43,7 +43,7 @@ def test_design_recipes_carry_the_design_settings():
 @pytest.mark.parametrize("override,message", [
     ("data.features=sometimes", "data.features"),
     ("loss.out_of_vocab=drop", "loss.out_of_vocab"),
-    ("hotvocab.ratio=1.5", "outside (0, 1]"),
+    ("hotvocab.ratio=1.5", "hotvocab.ratio = 1.5 is not allowed (allowed: a finite number in (0, 1])"),
     ("data.corpus=[mtbench]", "evaluation set"),
     ("deepspeed.zero_stage=3", "zero_stage"),
 ])

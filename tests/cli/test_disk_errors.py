@@ -1,0 +1,55 @@
+"""A read-only, full or missing disk is one line naming the path and the cause, found before long work,
+and leaves nothing half-written behind."""
+
+from __future__ import annotations
+
+import errno
+
+import pytest
+
+from ..conftest import write_jsonl
+
+GOOD = [{"messages": [{"role": "user", "content": f"question {i}"},
+                      {"role": "assistant", "content": f"answer number {i} " * 20}]} for i in range(20)]
+
+
+def _one_error_line(err: str, prog: str) -> str:
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith(f"{prog}: error:") and "Traceback" not in err, err
+    return lines[0]
+
+
+def test_bench_checks_out_before_running_the_benchmark(read_only_dir, monkeypatch, capsys):
+    """lyanna-bench used to find an unwritable --out only after the whole benchmark had run."""
+    import lyanna_train.cli.bench as bench
+
+    def started(*args, **kwargs):
+        raise AssertionError("the benchmark started although its results could not be written")
+
+    monkeypatch.setattr(bench, "load_models", started)
+    out = read_only_dir / "bench"
+    code = bench.main(["--target", "smollm2", "--methods", "target", "--num-prompts", "1", "--out", str(out)])
+    line = _one_error_line(capsys.readouterr().err, "lyanna-bench")
+    assert code == 2 and str(out) in line
+    assert any(cause in line for cause in ("Read-only file system", "Permission denied", "is not a directory")), line
+
+
+def test_hotvocab_on_a_full_disk_is_one_line_and_leaves_nothing(small_disk, tmp_path, monkeypatch, capsys):
+    from lyanna_train.cli.hotvocab import main
+
+    corpus = write_jsonl(tmp_path / "c.jsonl", GOOD)
+    disk = small_disk
+    if disk is None:  # no tmpfs here: make the first safetensors write fail as a full disk does
+        import lyanna_train.hotvocab.artifact as artifact
+
+        def full(*args, **kwargs):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        monkeypatch.setattr(artifact, "save_file", full)
+        disk = tmp_path / "disk"
+        disk.mkdir()
+    out = disk / "hot"
+    code = main(["--corpus", str(corpus), "--tokenizer", "smollm2", "--out", str(out), "--no-progress"])
+    line = _one_error_line(capsys.readouterr().err, "lyanna-hotvocab")
+    assert code == 2 and f"cannot write {out}: No space left on device" in line
+    assert list(disk.iterdir()) == []  # no partial directory, no lock file

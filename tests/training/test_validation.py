@@ -1,0 +1,83 @@
+"""Every config value is checked before any work: one line naming the field, the value and what is allowed."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import pytest
+
+from lyanna_train.errors import LyannaError
+from lyanna_train.training.config import Config
+from lyanna_train.training.loop import train
+from lyanna_train.training.validation import RULES
+
+from .conftest import compose, tiny_overrides
+
+TINY = ("target.aux_layers=[0,1,2]", "eval.num_prompts=0")
+
+
+def _leaves(cls, prefix: str = "") -> list[str]:
+    out = []
+    for f in dataclasses.fields(cls):
+        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+        out += _leaves(type(default), f"{prefix}{f.name}.") if dataclasses.is_dataclass(default) else [prefix + f.name]
+    return out
+
+
+def test_every_config_field_has_an_allowed_range():
+    assert sorted(_leaves(Config)) == sorted(RULES)
+
+
+@pytest.mark.parametrize("override,shown,allowed", [
+    ("hotvocab.size=-5", "hotvocab.size = -5", "null or an integer >= 1"),
+    ("train.lr=-1", "train.lr = -1.0", "a finite number in (0, 1]"),
+    ("train.lr=nan", "train.lr = nan", "a finite number in (0, 1]"),
+    ("target.dtype=float64x", "target.dtype = 'float64x'", "one of float32, bfloat16, float16"),
+    ("train.threads=-1", "train.threads = -1", "null or an integer >= 1"),
+    ("train.epochs=0", "train.epochs = 0", "an integer >= 1"),
+    ("draft.pool_size=64", "draft.pool_size = 64", "0 (pool off) or an integer >= 128"),
+    ("deepspeed.betas=[0.9,1.5]", "deepspeed.betas = [0.9, 1.5]", "two numbers in [0, 1)"),
+    ("target.aux_layers=[1,1]", "target.aux_layers = [1, 1]", "distinct layer indices"),
+    ("data.corpus=[]", "data.corpus = []", "a non-empty list"),
+    ("eval.max_new_tokens=0", "eval.max_new_tokens = 0", "an integer >= 1"),
+])
+def test_a_bad_value_stops_the_run_before_any_work(tmp_path, tiny_target_dir, tiny_corpus, override, shown, allowed):
+    out = tmp_path / "run"
+    with pytest.raises(LyannaError) as err:
+        train(compose(tiny_overrides(tiny_target_dir, tiny_corpus, out, *TINY, override)))
+    message = str(err.value)
+    assert message.startswith(f"config: {shown} is not allowed (allowed: ") and allowed in message, message
+    assert "\n" not in message
+    assert not out.exists()  # nothing was built: the folder is as usable as before
+
+
+@pytest.mark.parametrize("override,message", [
+    ("hotvocab.path=/no/such/hot-100.safetensors", "hotvocab.path = '/no/such/hot-100.safetensors' does not exist"),
+    ("train.resume=/no/such/step-00000001", "train.resume = '/no/such/step-00000001' is not allowed"),
+    ("data.corpus=[/no/such/corpus.jsonl]", "data.corpus"),
+])
+def test_missing_inputs_are_named_before_any_work(tmp_path, tiny_target_dir, tiny_corpus, override, message):
+    out = tmp_path / "run"
+    with pytest.raises(LyannaError, match=re.escape(message)):
+        train(compose(tiny_overrides(tiny_target_dir, tiny_corpus, out, *TINY, override)))
+    assert not out.exists()
+
+
+def test_hot_vocabulary_sizes_are_checked_against_the_tokenizer_and_the_given_file(
+        tmp_path, tiny_target_dir, tiny_corpus):
+    from lyanna_train.hotvocab.artifact import save_hot_vocab
+    from lyanna_train.hotvocab.selection import HotVocab
+    from lyanna_train.target.fingerprint import tokenizer_fingerprint
+    from lyanna_train.target.loading import load_tokenizer
+
+    out = tmp_path / "run"
+    with pytest.raises(LyannaError, match=re.escape("hotvocab.size = 1000000 is not allowed (allowed: 1 to the "
+                                                    "vocabulary size, 49152)")):
+        train(compose(tiny_overrides(tiny_target_dir, tiny_corpus, out, *TINY, "hotvocab.size=1000000")))
+    assert not (out / "hotvocab").exists()  # refused before the hot vocabulary was built
+    fingerprint = tokenizer_fingerprint(load_tokenizer(str(tiny_target_dir)))
+    save_hot_vocab(tmp_path, HotVocab.from_ids(list(range(100)), 49152), fingerprint)
+    with pytest.raises(LyannaError, match=re.escape("hotvocab.size = 1000, but hotvocab.path")):
+        train(compose(tiny_overrides(tiny_target_dir, tiny_corpus, out, *TINY, "hotvocab.size=1000",
+                                     f"hotvocab.path={tmp_path / 'hot-100.safetensors'}")))
