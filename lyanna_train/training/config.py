@@ -20,6 +20,13 @@ class TargetConf:
 
 
 @dataclass
+class TargetInitConf:
+    lm_head: bool = False  # lm_head <- the target's output embeddings at the hot ids; norm <- its final norm
+    layer: Optional[int] = None  # decoder layer <- this target layer (embedding half of q/k/v at zero); None = random
+    fc: str = "random"  # random, or top_layer: fc passes the highest captured layer through
+
+
+@dataclass
 class DraftConf:
     hidden_size: Optional[int] = None  # draft width; None = the target's (needed for SGLang/vLLM EAGLE-3)
     intermediate_size: Optional[int] = None  # None = the target's
@@ -30,6 +37,13 @@ class DraftConf:
     pool_threshold: float = 0.85  # cosine similarity a pooled state needs to be fused
     alpha_max: float = 0.3  # upper bound of α (0 = gate off)
     gate_hidden: int = 64  # width of the α-gating network
+    target_init: TargetInitConf = field(default_factory=TargetInitConf)  # start from the target's weights
+    freeze_lm_head: bool = False  # keep the LM head as initialised (fewer parameters to over-fit)
+    norm_before_residual: bool = False  # the layer's residual is the normed state (outlier dims kept out of it)
+    aux_scale: bool = False  # scale each target-feature dimension by 1/RMS before fc (folded into fc on export)
+    # fine-tune an existing head: an export dir (lyanna or eagle3; `lyanna-export import` for other toolkits')
+    init_from: Optional[str] = None
+    init_vocab: str = "keep"  # keep: the head's vocabulary map; rebuild: the run's hot vocabulary, shared rows kept
 
 
 @dataclass
@@ -50,6 +64,7 @@ class DataConf:
     batch_tokens: int = 4096  # padded tokens per micro-batch
     shard_tokens: int = 32768  # tokens per cache shard
     teacher_summary: bool = True  # cache the teacher's top-1 + logsumexp: slower extraction, faster epochs
+    max_tokens: Optional[int] = None  # train on the cache's first shards up to this many tokens (scaling runs)
 
 
 @dataclass
@@ -58,6 +73,8 @@ class LossConf:
     step_weight: float = 0.8  # step j is weighted step_weight**j
     out_of_vocab: str = "mask"  # mask: drop positions whose target top-1 is not hot; other: an extra bucket
     hidden_weight: float = 0.0  # weight of the smooth-L1 regression toward the target's next state
+    tv_weight: float = 0.0  # weight of the total-variation distance to the teacher (1 - TV bounds acceptance)
+    positions: str = "assistant"  # which positions are trained: assistant (what is served) or all (user turns too)
 
 
 @dataclass
@@ -112,6 +129,11 @@ class EvalConf:
     num_prompts: int = 8
     depth: int = 5  # chain-drafting depth
     max_new_tokens: int = 64
+    # teacher-forced top-1 agreement on samples the head never trains on (and on as many it
+    # does: the over-fit gap); they follow the training range in the corpus stream
+    heldout_samples: int = 64  # 0 = off
+    heldout_from: Optional[int] = None  # stream position of the first held-out sample; None = data.max_samples
+    agreement_steps: int = 3  # unroll steps whose agreement is reported
 
 
 @dataclass
@@ -140,6 +162,9 @@ def validate(cfg) -> None:
     def bad(msg):
         raise LyannaError(f"config: {msg}")
 
+    init = cfg.draft.target_init
+    if cfg.draft.init_from and (init.lm_head or init.layer is not None or init.fc != "random"):
+        bad("draft.init_from and draft.target_init are alternatives: a head to fine-tune is already initialised")
     if cfg.data.batch_tokens < cfg.data.max_length:
         bad(f"data.batch_tokens ({cfg.data.batch_tokens}) must hold one sample of data.max_length ({cfg.data.max_length})")
     if "mtbench" in [str(c) for c in cfg.data.corpus]:

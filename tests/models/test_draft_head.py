@@ -76,11 +76,19 @@ def test_causal_window_retrieval_matches_brute_force():
                                           [True, True, False, False], [False, True, True, False]]
 
 
-@pytest.mark.parametrize("pool", ["on", "off"])
-def test_training_forward_equals_step_by_step_serving(pool):
+@pytest.mark.parametrize("pool,variant", [("on", "plain"), ("off", "plain"), ("on", "normed")])
+def test_training_forward_equals_step_by_step_serving(pool, variant):
     """Chain drafting with a KV cache and a ring-buffer pool gives the training logits,
-    for every unroll step (training-time test included) and across the pool window."""
-    head = make_head(pool_threshold=0.0 if pool == "on" else 0.85, pool_size=128 if pool == "on" else 0).eval()
+    for every unroll step (training-time test included) and across the pool window;
+    also with the normed residual and a feature scale before fc."""
+    normed = (dict(norm_before_residual=True, aux_scale=True, norm_before_fc=True, norm_output=True)
+              if variant == "normed" else {})
+    head = make_head(pool_threshold=0.0 if pool == "on" else 0.85, pool_size=128 if pool == "on" else 0, **normed).eval()
+    if normed:
+        with torch.no_grad():
+            head.aux_scale.uniform_(0.1, 2.0)
+            head.input_norm.weight.uniform_(0.5, 2.0)
+            head.norm.weight.uniform_(0.5, 2.0)
     torch.manual_seed(2)
     b, t, steps = 2, 140, 3
     aux, ids = torch.randn(b, t, 3 * H), torch.randint(0, V, (b, t))
@@ -90,7 +98,7 @@ def test_training_forward_equals_step_by_step_serving(pool):
         cache_k = cache_v = None
         for anchor in range(t - steps - 1):
             pos = torch.full((b, 1), anchor)
-            current, k, v = head.forward_cached(head.fc(aux[:, anchor:anchor + 1]), ids[:, anchor + 1:anchor + 2], pos,
+            current, k, v = head.forward_cached(head.fuse_features(aux[:, anchor:anchor + 1]), ids[:, anchor + 1:anchor + 2], pos,
                                                 cache_k, cache_v, torch.ones(b, 1, 1, anchor + 1, dtype=torch.bool))
             cache_k = k if cache_k is None else torch.cat([cache_k, k], 2)
             cache_v = v if cache_v is None else torch.cat([cache_v, v], 2)
@@ -98,7 +106,7 @@ def test_training_forward_equals_step_by_step_serving(pool):
             state = current
             for j in range(steps):
                 if j:
-                    current, k, v = head.forward_cached(state, ids[:, anchor + 1 + j:anchor + 2 + j], pos + j,
+                    current, k, v = head.forward_cached(head.carry(state), ids[:, anchor + 1 + j:anchor + 2 + j], pos + j,
                                                         chain_k, chain_v,
                                                         torch.ones(b, 1, 1, chain_k.shape[2] + 1, dtype=torch.bool))
                     chain_k, chain_v = torch.cat([chain_k, k], 2), torch.cat([chain_v, v], 2)

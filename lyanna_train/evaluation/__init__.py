@@ -1,0 +1,1 @@
+"""Measuring heads: teacher-forced agreement with the target."""
