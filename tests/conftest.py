@@ -12,6 +12,10 @@ import torch
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "true")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("WANDB_MODE", "offline")
+# DeepSpeed JIT-builds a CPU communication op into TORCH_EXTENSIONS_DIR (default: one folder in
+# ~/.cache shared by every checkout); each virtual environment's include paths differ, so
+# checkouts sharing a machine rebuild it for each other (minutes each). One folder per venv.
+os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path(__import__("sys").prefix) / "torch_extensions"))
 if not torch.cuda.is_available():
     # Triton kernels run on the CPU through its interpreter, which must be chosen before
     # triton is first imported (transformers imports it): here, before any test module.

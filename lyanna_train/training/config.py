@@ -92,7 +92,7 @@ class TrainConf:
     log_every: int = 10  # steps between logged metrics (the only host syncs)
     save_every: int = 200  # steps between checkpoints (0 = only at the end)
     keep_last: int = 2  # checkpoints kept
-    resume: str = "auto"  # auto: latest complete checkpoint in out_dir; never; or a checkpoint path
+    resume: str = "auto"  # auto: latest checkpoint, same config only; force: continue it with a changed one; never; or a path
     threads: Optional[int] = None  # torch CPU threads per rank (None = torch's default)
     # the draft's forward and losses under torch.autocast in this dtype (master weights and
     # optimizer stay fp32); bfloat16 trains ~3x faster on CPUs with AVX512-BF16 / AMX
