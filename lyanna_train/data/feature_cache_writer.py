@@ -31,13 +31,14 @@ import torch
 
 from ..atomic import write_json_atomic
 from ..errors import LyannaError
+from ..target.capture import LAYER_CONVENTION
 from ..target.fingerprint import tokenizer_fingerprint
 from ..target.model import target_fingerprint
 from .batching import collate, length_grouped_batches
 from .feature_cache import (
     DTYPE, FORMAT, SHARDS, VERSION, bytes_per_token, entry_path, read_manifest, shard_path, shard_problem,
 )
-from .features import LAYER_CONVENTION, FeatureExtractor
+from .features import FeatureExtractor
 from .features import teacher_summary as summarise
 from .samples import Sample
 

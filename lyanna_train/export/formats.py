@@ -30,6 +30,7 @@ import dataclasses
 
 from ..errors import LyannaError
 from ..models.config import DraftConfig
+from ..target.capture import LAYER_CONVENTION
 
 KIND = "lyanna.draft-export"
 VERSION = 1
@@ -40,7 +41,7 @@ CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 HOT_VOCAB_FILE = "hot_vocab.safetensors"  # hot_ids, d2t, t2d + tokenizer fingerprint (hotvocab artifact layout)
 SPECULATORS_DIR = "speculators"  # vLLM "speculators" config.json beside a link to the same weights
-AUX_CONVENTION = "output of decoder layer i (0-based) = HF hidden_states[i+1]"
+AUX_CONVENTION = LAYER_CONVENTION  # ours, as the manifest states it
 
 _CORE = (  # the EAGLE-3 layout, named as SGLang and vLLM name it
     "fc.weight",

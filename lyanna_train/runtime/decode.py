@@ -26,7 +26,7 @@ from typing import Callable, Sequence
 import torch
 from transformers import DynamicCache
 
-from ..data.features import LayerCapture
+from ..target.capture import LayerCapture
 from ..models.draft_head import DraftHead
 from .cost import POOL, AcceptanceEstimates, VerifyCost, best_count, measured_cost
 from .draft_step import DraftState, draft_extend

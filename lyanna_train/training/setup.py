@@ -97,7 +97,7 @@ def eval_prompts(cfg, tokenizer) -> list[list[int]]:
 
 
 def build_parts(cfg, out_dir: Path, is_main: bool) -> RunParts:
-    from ..data.features import check_layer_ids, default_layer_ids
+    from ..target.capture import check_layer_ids, default_layer_ids
 
     tokenizer = load_tokenizer(cfg.target.name)
     target = load_target_model(cfg.target.name, dtype=getattr(torch, cfg.target.dtype))
