@@ -14,7 +14,7 @@ import argparse
 from lyanna_train.cli.decode_config import load_decode_settings
 from lyanna_train.cli.generate import load_models
 from lyanna_train.runtime import decode
-from lyanna_train.runtime.benchmark import hf_method, read_questions, render_prompt
+from lyanna_train.evaluation.benchmark import hf_method, read_questions, render_prompt
 
 
 def main() -> None:

@@ -19,7 +19,7 @@ from dataclasses import replace
 from lyanna_train.cli.decode_config import load_decode_settings
 from lyanna_train.cli.generate import load_models
 from lyanna_train.runtime import decode
-from lyanna_train.runtime.benchmark import read_questions, render_prompt
+from lyanna_train.evaluation.benchmark import read_questions, render_prompt
 from lyanna_train.runtime.cost import POOL
 from lyanna_train.runtime.decode import LookupSettings
 from lyanna_train.runtime.draft_tree import TreeShape

@@ -84,7 +84,7 @@ def plot(summary: dict, path: Path) -> None:
 
 
 def _running(records: dict) -> dict:
-    from ..runtime.benchmark import summarize
+    from ..evaluation.benchmark import summarize
 
     return {m: f"{s['speedup']:.2f}x" for m, s in summarize(records).items() if m != "target" and s["speedup"]}
 
@@ -108,7 +108,7 @@ def main(argv: list[str]) -> int:
 
     from ..atomic import atomic_directory
     from ..errors import LyannaError
-    from ..runtime import benchmark as B
+    from ..evaluation import benchmark as B
     from .decode_config import load_decode_settings
 
     args = build_parser().parse_args(argv)

@@ -31,7 +31,7 @@ def _set_rng_state(state: dict) -> None:
 
 def evaluate(cfg, parts, draft) -> dict:
     """Mean acceptance length τ of the current head under chain drafting (the runtime's code)."""
-    from ..runtime.eval import mean_acceptance
+    from ..evaluation.acceptance import mean_acceptance
 
     draft.eval()
     try:

@@ -5,8 +5,8 @@ from __future__ import annotations
 from typing import Sequence
 
 from ..models.draft_head import DraftHead
-from . import decode
-from .draft_tree import TreeShape
+from ..runtime import decode
+from ..runtime.draft_tree import TreeShape
 
 
 def mean_acceptance(target, draft: DraftHead, prompts: Sequence[Sequence[int]], depth: int, max_new_tokens: int,

@@ -9,7 +9,7 @@ plus the token ids, so losslessness can be re-checked from the files alone.
 Methods: ``target`` (``target.generate``, plain decoding), ``pld`` (transformers'
 prompt-lookup decoding), ``lyanna`` (our runtime with the exported draft) and
 ``lookup`` (our runtime, prompt lookup only) all run the same target object, with the
-measured linear forms of :mod:`.small_linear` when the CLI set them up; ``stock`` is
+measured linear forms of :mod:`lyanna_train.runtime.small_linear` when the CLI set them up; ``stock`` is
 ``target.generate`` with torch's own ``nn.Linear`` (an unmodified transformers), for
 reference: its output may differ from ``target``'s by float summation order alone, so it
 is reported but not part of the lossless verdict.
@@ -27,10 +27,10 @@ from typing import Callable
 import torch
 
 from ..errors import LyannaError
-from . import decode
-from .decode import DecodeSettings, LookupSettings
-from .draft_tree import TreeShape
-from .small_linear import stock_linears
+from ..runtime import decode
+from ..runtime.decode import DecodeSettings, LookupSettings
+from ..runtime.draft_tree import TreeShape
+from ..runtime.small_linear import stock_linears
 
 METHODS = ("target", "stock", "pld", "lyanna", "lookup")
 NUMERICS_ONLY = ("stock",)  # same model, other GEMM forms: not held to token identity
