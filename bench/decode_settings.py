@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import argparse
 
-from lyanna_train.cli.decode_config import load_decode_settings
-from lyanna_train.cli.generate import load_models
-from lyanna_train.runtime import decode
 from lyanna_train.evaluation.benchmark import hf_method, read_questions, render_prompt
+from lyanna_train.runtime import decode
+from lyanna_train.runtime.loading import load_models
+from lyanna_train.runtime.settings import load_decode_settings
 
 
 def main() -> None:

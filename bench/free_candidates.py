@@ -16,13 +16,13 @@ import argparse
 import time
 from dataclasses import replace
 
-from lyanna_train.cli.decode_config import load_decode_settings
-from lyanna_train.cli.generate import load_models
-from lyanna_train.runtime import decode
 from lyanna_train.evaluation.benchmark import read_questions, render_prompt
+from lyanna_train.runtime import decode
 from lyanna_train.runtime.cost import POOL
 from lyanna_train.runtime.decode import LookupSettings
 from lyanna_train.runtime.draft_tree import TreeShape
+from lyanna_train.runtime.loading import load_models
+from lyanna_train.runtime.settings import load_decode_settings
 
 MIXES = {
     "draft": LookupSettings(max_tokens=0),

@@ -14,8 +14,9 @@ import argparse
 import json
 from pathlib import Path
 
+from ..runtime.loading import load_models
 from .common import entry_point
-from .generate import add_model_args, load_models
+from .generate import add_model_args
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -109,7 +110,7 @@ def main(argv: list[str]) -> int:
     from ..atomic import atomic_directory
     from ..errors import LyannaError
     from ..evaluation import benchmark as B
-    from .decode_config import load_decode_settings
+    from ..runtime.settings import load_decode_settings
 
     args = build_parser().parse_args(argv)
     names = [m.strip() for m in args.methods.split(",") if m.strip()]

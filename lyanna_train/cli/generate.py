@@ -15,6 +15,7 @@ from collections import Counter
 
 from transformers import TextStreamer
 
+from ..runtime.loading import load_models
 from .common import entry_point
 
 
@@ -32,44 +33,6 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    "CPU, for every method; see lyanna_train/runtime/small_linear.py)")
     p.add_argument("--threads", type=int, metavar="N", help="torch CPU threads (default: torch's choice); a busy "
                    "machine is faster with fewer threads than cores")
-
-
-def load_models(draft_dir: str | None, target_spec: str | None, need_draft: bool = True, threads: int | None = None,
-                small_linears: bool = True):
-    """(target, tokenizer, draft or None): the target is the one the draft was exported for
-    unless ``target_spec`` says otherwise (the loader then checks its fingerprint). With
-    ``small_linears`` a CPU target's linears take the fastest GEMM form per token count,
-    chosen by timing its forwards here (a few seconds, before any clock starts)."""
-    import torch
-    from transformers.utils import logging as hf_logging
-
-    from ..errors import LyannaError
-    from ..export.loader import load_exported, read_manifest
-    from ..target.loading import load_tokenizer
-    from ..runtime.cost import use_measured_linears
-    from ..target.model import load_target_model
-
-    if threads is not None:
-        if threads < 1:
-            raise LyannaError("--threads must be at least 1")
-        torch.set_num_threads(threads)
-    if draft_dir is None and target_spec is None:
-        raise LyannaError("give --draft EXPORT_DIR (or --target SPEC to decode with prompt lookup only)")
-    manifest = read_manifest(draft_dir) if draft_dir is not None else {}
-    spec = target_spec or (manifest.get("target") or {}).get("name")
-    if not spec:
-        raise LyannaError(f"{draft_dir}/manifest.json does not name its target: pass --target")
-    hf_logging.disable_progress_bar()  # "Loading weights" would interleave with the generated text
-    try:
-        tokenizer, target = load_tokenizer(spec), load_target_model(spec)
-    finally:
-        hf_logging.enable_progress_bar()
-    draft = load_exported(draft_dir, target, tokenizer)[0] if draft_dir is not None and need_draft else None
-    if small_linears and target.device.type == "cpu":
-        print("timing the target's and the draft's linear forms per token count (~10 s; --stock-linears skips it)",
-              file=sys.stderr, flush=True)
-        use_measured_linears(target, draft)
-    return target, tokenizer, draft
 
 
 class RunStreamer(TextStreamer):
@@ -156,7 +119,7 @@ def main(argv: list[str]) -> int:
     from ..errors import LyannaError
     from ..evaluation.benchmark import render_prompt
     from ..runtime.decode import generate
-    from .decode_config import load_decode_settings
+    from ..runtime.settings import load_decode_settings
 
     args = build_parser().parse_args(argv)
     if args.max_new_tokens < 1:

@@ -9,11 +9,8 @@ from __future__ import annotations
 
 import os
 import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
-CONF_DIR = Path(os.environ.get("LYANNA_CONF", ROOT / "conf"))
-RECIPES_DIR = Path(os.environ.get("LYANNA_RECIPES", ROOT / "recipes"))
+from ..configs import conf_dir, recipes_dir
 
 
 def take_local_rank(argv: list[str]) -> list[str]:
@@ -41,7 +38,7 @@ def register_configs() -> None:
 
     register()
     store = ConfigStore.instance()
-    for path in sorted(RECIPES_DIR.glob("*.yaml")):
+    for path in sorted(recipes_dir().glob("*.yaml")):
         store.store(group="recipe", name=path.stem, node=OmegaConf.load(path), package="_global_")
 
 
@@ -65,7 +62,7 @@ def main() -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     sys.argv = [sys.argv[0], *take_local_rank(sys.argv[1:])]
     register_configs()
-    hydra.main(config_path=str(CONF_DIR), config_name="config", version_base=None)(run)()
+    hydra.main(config_path=str(conf_dir()), config_name="config", version_base=None)(run)()
 
 
 if __name__ == "__main__":

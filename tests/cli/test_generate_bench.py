@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from lyanna_train.cli.bench import main as bench_main
-from lyanna_train.cli.decode_config import load_decode_settings
+from lyanna_train.runtime.settings import load_decode_settings
 from lyanna_train.cli.generate import RunStreamer, main as generate_main
 from lyanna_train.errors import LyannaError
 from lyanna_train.evaluation import benchmark as B

@@ -35,11 +35,12 @@ def compose(overrides: list[str]):
     from hydra import initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
-    from lyanna_train.cli.train import CONF_DIR, register_configs
+    from lyanna_train.cli.train import register_configs
+    from lyanna_train.configs import conf_dir
 
     register_configs()
     GlobalHydra.instance().clear()
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
+    with initialize_config_dir(config_dir=str(conf_dir()), version_base=None):
         return hydra_compose(config_name="config", overrides=overrides)
 
 

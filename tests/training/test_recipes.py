@@ -7,13 +7,14 @@ import re
 import pytest
 from omegaconf import OmegaConf
 
-from lyanna_train.cli.train import RECIPES_DIR, take_local_rank
+from lyanna_train.cli.train import take_local_rank
+from lyanna_train.configs import recipes_dir
 from lyanna_train.errors import LyannaError
 from lyanna_train.training.config import Config, validate
 
 from .conftest import compose
 
-RECIPES = sorted(p.stem for p in RECIPES_DIR.glob("*.yaml"))
+RECIPES = sorted(p.stem for p in recipes_dir().glob("*.yaml"))
 
 
 def test_the_promised_recipes_exist():
@@ -26,7 +27,7 @@ def test_recipe_composes_and_validates(recipe):
     validate(cfg)
     assert isinstance(OmegaConf.to_object(cfg), Config)
     assert cfg.run_name == recipe and cfg.train.out_dir == f"checkpoints/{recipe}"
-    text = (RECIPES_DIR / f"{recipe}.yaml").read_text()
+    text = (recipes_dir() / f"{recipe}.yaml").read_text()
     header = [line for line in text.splitlines() if line.startswith("#")]
     assert header and text.startswith("# ")  # purpose first, then the command that runs it
     assert any("+recipe=" + recipe in line for line in header)
