@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import argparse
 
-from lyanna_train.evaluation.benchmark import hf_method, read_questions, render_prompt
+from lyanna_train.evaluation.benchmark import hf_method
+from lyanna_train.evaluation.prompts import read_questions, render_prompt
 from lyanna_train.runtime import decode
 from lyanna_train.runtime.loading import load_models
 from lyanna_train.runtime.settings import load_decode_settings

@@ -16,7 +16,7 @@ import argparse
 import time
 from dataclasses import replace
 
-from lyanna_train.evaluation.benchmark import read_questions, render_prompt
+from lyanna_train.evaluation.prompts import read_questions, render_prompt
 from lyanna_train.runtime import decode
 from lyanna_train.runtime.cost import POOL
 from lyanna_train.runtime.decode import LookupSettings

@@ -110,6 +110,7 @@ def main(argv: list[str]) -> int:
     from ..atomic import atomic_directory
     from ..errors import LyannaError
     from ..evaluation import benchmark as B
+    from ..evaluation.prompts import Question, read_questions
     from ..runtime.settings import load_decode_settings
 
     args = build_parser().parse_args(argv)
@@ -120,13 +121,13 @@ def main(argv: list[str]) -> int:
         raise LyannaError("the lyanna method needs --draft EXPORT_DIR")
     B.check_methods(names)  # before anything loads
     settings = load_decode_settings(args.decode, args.overrides)
-    questions = B.read_questions(args.prompts, args.num_prompts or None)
+    questions = read_questions(args.prompts, args.num_prompts or None)
     out = Path(args.out or f"checkpoints/bench-{Path(args.draft or args.target).name}-{Path(args.prompts).stem}")
     target, tokenizer, draft = load_models(args.draft, args.target, "lyanna" in names, args.threads,
                                            not args.stock_linears)
     methods = B.make_methods(names, target, draft, settings, args.pld_tokens)
 
-    warm = B.Question("warm-up", "", questions[0].turns[:1])
+    warm = Question("warm-up", "", questions[0].turns[:1])
     B.run_question(warm, methods, tokenizer, min(args.max_new_tokens, 16), 1, args.chat)  # not counted
     records: dict[str, list] = {m: [] for m in names}
     bar = tqdm(questions, desc="bench", unit="question")

@@ -83,7 +83,7 @@ def summary_line(result) -> str:
 
 def read_prompts(args) -> list:
     from ..errors import LyannaError
-    from ..evaluation.benchmark import Question, read_questions
+    from ..evaluation.prompts import Question, read_questions
 
     if args.prompt and args.file:
         raise LyannaError("give prompts as arguments or with --file, not both")
@@ -117,7 +117,7 @@ def build_parser() -> argparse.ArgumentParser:
 @entry_point("lyanna-generate")
 def main(argv: list[str]) -> int:
     from ..errors import LyannaError
-    from ..evaluation.benchmark import render_prompt
+    from ..evaluation.prompts import render_prompt
     from ..runtime.decode import generate
     from ..runtime.settings import load_decode_settings
 

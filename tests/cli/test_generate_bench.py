@@ -15,6 +15,7 @@ from lyanna_train.runtime.settings import load_decode_settings
 from lyanna_train.cli.generate import RunStreamer, main as generate_main
 from lyanna_train.errors import LyannaError
 from lyanna_train.evaluation import benchmark as B
+from lyanna_train.evaluation.prompts import Question, read_questions, render_prompt
 from lyanna_train.runtime.decode import DecodeSettings, GenerationResult
 
 H = 64
@@ -96,7 +97,7 @@ def records(target, tokenizer, export_dir):
     draft, _ = load_exported(export_dir, target, tokenizer)
     methods = B.make_methods(["target", "pld", "lyanna", "lookup"], target, draft, load_decode_settings("default"))
     out: dict = {m: [] for m in methods}
-    questions = [B.Question(d["question_id"], d["category"], tuple(d["turns"])) for d in QUESTIONS]
+    questions = [Question(d["question_id"], d["category"], tuple(d["turns"])) for d in QUESTIONS]
     for i, q in enumerate(questions):
         for m, rec in B.run_question(q, methods, tokenizer, 12, turns=2, rotate=i).items():
             out[m].append(rec)
@@ -128,23 +129,23 @@ def test_decode_presets_and_overrides():
 
 
 def test_read_questions_accepts_every_prompt_form_and_names_a_bad_line(tmp_path):
-    mtbench = B.read_questions("mtbench")
+    mtbench = read_questions("mtbench")
     assert len(mtbench) == 80 and all(len(q.turns) == 2 for q in mtbench) and mtbench[0].category == "writing"
-    humaneval = B.read_questions("humaneval", limit=3)
+    humaneval = read_questions("humaneval", limit=3)
     assert len(humaneval) == 3 and humaneval[0].question_id == "HumanEval/0"
-    spread = B.read_questions("mtbench", limit=8)  # every category, not the first eight writing prompts
+    spread = read_questions("mtbench", limit=8)  # every category, not the first eight writing prompts
     assert len({q.category for q in spread}) == 8
     path = tmp_path / "mixed.jsonl"
     path.write_text('{"turns": ["a", "b"]}\n\n{"prompt": "c"}\n{"text": "d", "category": "x"}\n{"instruction": "e"}\n')
-    assert [q.turns for q in B.read_questions(str(path))] == [("a", "b"), ("c",), ("d",), ("e",)]
-    assert B.read_questions(str(path))[2].category == "x"
+    assert [q.turns for q in read_questions(str(path))] == [("a", "b"), ("c",), ("d",), ("e",)]
+    assert read_questions(str(path))[2].category == "x"
     txt = tmp_path / "p.txt"
     txt.write_text("first\nprompt\n\n\nsecond\n")
-    assert [q.turns for q in B.read_questions(str(txt))] == [("first\nprompt",), ("second",)]
+    assert [q.turns for q in read_questions(str(txt))] == [("first\nprompt",), ("second",)]
     for bad in ('{"turns": ["a"]}\n{"prompt": "cut', '{"turns": ["a"]}\n{"answer": "no prompt"}', '{"turns": ["a"]}\n[1, 2]', '{"turns": ["a"]}\n{"turns": [3]}'):
         path.write_text(bad)
         with pytest.raises(LyannaError, match=rf"{path}:2: "):
-            B.read_questions(str(path))
+            read_questions(str(path))
 
 
 def test_records_follow_spec_bench_and_summary_has_every_figure(records, tokenizer):
@@ -256,7 +257,7 @@ def test_generate_streams_exactly_the_decoded_tokens(source, export_dir, target,
         argv.append("Write about tea.")
     assert generate_main(argv) == 0
     captured = capsys.readouterr()
-    prompt = B.render_prompt(tokenizer, [{"role": "user", "content": "Write about tea."}])
+    prompt = render_prompt(tokenizer, [{"role": "user", "content": "Write about tea."}])
     ref = target.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False, pad_token_id=0)
     assert captured.out == tokenizer.decode(ref[0, len(prompt):], skip_special_tokens=True) + "\n"
     assert "24 new tokens" in captured.err and "tok/s" in captured.err and "τ" in captured.err
