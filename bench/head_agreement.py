@@ -82,7 +82,7 @@ def main() -> None:
     p.add_argument("--sharegpt", type=int, default=32, help="held-out ShareGPT replies")
     p.add_argument("--max-tokens", type=int, default=256)
     args = p.parse_args()
-    target, tokenizer, draft = load_models(args.draft, None, small_linears=False)
+    target, tokenizer, draft = load_models(args.draft, None)
     print("| text | positions | " + " | ".join(f"top-1 agreement, step {j}" for j in range(STEPS))
           + " | target top-1 in hot vocab |")
     print("|---|---:|" + "---:|" * (STEPS + 1))

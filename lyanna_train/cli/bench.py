@@ -14,9 +14,8 @@ import argparse
 import json
 from pathlib import Path
 
-from ..runtime.loading import load_models
 from .common import entry_point
-from .generate import add_model_args
+from .generate import add_model_args, load_and_tune
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -123,9 +122,8 @@ def main(argv: list[str]) -> int:
     settings = load_decode_settings(args.decode, args.overrides)
     questions = read_questions(args.prompts, args.num_prompts or None)
     out = Path(args.out or f"checkpoints/bench-{Path(args.draft or args.target).name}-{Path(args.prompts).stem}")
-    target, tokenizer, draft = load_models(args.draft, args.target, "lyanna" in names, args.threads,
-                                           not args.stock_linears)
-    methods = B.make_methods(names, target, draft, settings, args.pld_tokens)
+    target, tokenizer, draft, cost = load_and_tune(args, "lyanna" in names)
+    methods = B.make_methods(names, target, draft, settings, args.pld_tokens, cost)
 
     warm = Question("warm-up", "", questions[0].turns[:1])
     B.run_question(warm, methods, tokenizer, min(args.max_new_tokens, 16), 1, args.chat)  # not counted

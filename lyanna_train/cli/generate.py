@@ -19,6 +19,18 @@ from ..runtime.loading import load_models
 from .common import entry_point
 
 
+def load_and_tune(args, need_draft: bool):
+    """(target, tokenizer, draft or None, the target's verify cost): the models of
+    ``--draft``/``--target``, tuned for this machine (read from the on-disk cache after the
+    first run)."""
+    from ..runtime.cpu_tuning import tune
+
+    target, tokenizer, draft = load_models(args.draft, args.target, need_draft, args.threads)
+    cost = tune(target, draft, linear_forms=not args.stock_linears, retune=args.retune,
+                say=lambda line: print(line, file=sys.stderr, flush=True))
+    return target, tokenizer, draft, cost
+
+
 def add_model_args(p: argparse.ArgumentParser) -> None:
     """The flags lyanna-generate and lyanna-bench share: draft, target, decoding settings."""
     p.add_argument("--draft", metavar="EXPORT_DIR", help="exported draft directory (lyanna-export)")
@@ -31,6 +43,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stock-linears", action="store_true",
                    help="keep torch's nn.Linear forms (default: the fastest measured GEMM form per token count on "
                    "CPU, for every method; see lyanna_train/runtime/small_linear.py)")
+    p.add_argument("--retune", action="store_true", help="measure the CPU tuning again instead of reading it from "
+                   "the cache (~/.cache/lyanna_train/cpu_tuning; e.g. after timing on a busy machine)")
     p.add_argument("--threads", type=int, metavar="N", help="torch CPU threads (default: torch's choice); a busy "
                    "machine is faster with fewer threads than cores")
 
@@ -126,8 +140,7 @@ def main(argv: list[str]) -> int:
         raise LyannaError("--max-new-tokens must be at least 1")
     settings = load_decode_settings(args.decode, args.overrides)
     questions = read_prompts(args)
-    target, tokenizer, draft = load_models(args.draft, args.target, settings.tree.depth > 0, args.threads,
-                                           not args.stock_linears)
+    target, tokenizer, draft, cost = load_and_tune(args, settings.tree.depth > 0)
     mark = ("colour" if sys.stdout.isatty() else "brackets") if args.show_acceptance else None
     total = sum(len(q.turns) for q in questions)
     done = 0
@@ -140,7 +153,7 @@ def main(argv: list[str]) -> int:
             messages.append({"role": "user", "content": turn})
             streamer = RunStreamer(tokenizer, sys.stdout, mark)
             result = generate(target, draft, render_prompt(tokenizer, messages, args.chat), args.max_new_tokens,
-                              settings, on_tokens=streamer.put_tokens)
+                              settings, on_tokens=streamer.put_tokens, cost=cost)
             streamer.end()
             messages.append({"role": "assistant", "content": tokenizer.decode(result.tokens, skip_special_tokens=True)})
             print(summary_line(result), file=sys.stderr)

@@ -27,6 +27,7 @@ import torch
 
 from ..errors import LyannaError
 from ..runtime import decode
+from ..runtime.cost import VerifyCost
 from ..runtime.decode import DecodeSettings, LookupSettings
 from ..runtime.draft_tree import TreeShape
 from ..runtime.small_linear import stock_linears
@@ -100,9 +101,9 @@ def hf_method(target, settings: DecodeSettings, prompt_lookup_tokens: int | None
     return run
 
 
-def runtime_method(target, draft, settings: DecodeSettings) -> Method:
+def runtime_method(target, draft, settings: DecodeSettings, cost: VerifyCost | None = None) -> Method:
     def run(prompt: list[int], max_new_tokens: int) -> Run:
-        result = decode.generate(target, draft, prompt, max_new_tokens, settings)
+        result = decode.generate(target, draft, prompt, max_new_tokens, settings, cost=cost)
         return Run(result.tokens, result.wall_time, result.target_forwards, result.accept_lengths, result.tree_sizes)
 
     return run
@@ -122,17 +123,19 @@ def check_methods(names) -> None:
         raise LyannaError(f"bad methods {list(names)} (choose some of {', '.join(METHODS)}, each once)")
 
 
-def make_methods(names, target, draft, settings: DecodeSettings, pld_tokens: int = 10) -> dict[str, Method]:
-    """The named methods; ``lookup`` reuses the settings' lookup (or ``pld_tokens`` when it is off)."""
+def make_methods(names, target, draft, settings: DecodeSettings, pld_tokens: int = 10,
+                 cost: VerifyCost | None = None) -> dict[str, Method]:
+    """The named methods; ``lookup`` reuses the settings' lookup (or ``pld_tokens`` when it is off);
+    our runtime's methods weigh candidates against ``cost`` (:func:`~lyanna_train.runtime.cpu_tuning.tune`)."""
     check_methods(names)
     lookup = settings.lookup if settings.lookup.max_tokens else LookupSettings(max_tokens=pld_tokens)
     make = {
         "target": lambda: hf_method(target, settings),
         "stock": lambda: _stock(target, hf_method(target, settings)),
         "pld": lambda: hf_method(target, settings, prompt_lookup_tokens=pld_tokens),
-        "lyanna": lambda: runtime_method(target, draft, settings),
+        "lyanna": lambda: runtime_method(target, draft, settings, cost),
         "lookup": lambda: runtime_method(target, None, replace(settings, tree=TreeShape(depth=0, max_nodes=0),
-                                                               lookup=lookup)),
+                                                               lookup=lookup), cost),
     }
     return {name: make[name]() for name in names}
 

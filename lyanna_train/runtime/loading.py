@@ -7,25 +7,20 @@ and the scripts in ``bench/``.
 
 from __future__ import annotations
 
-import sys
-
 import torch
 
 from ..errors import LyannaError
 
 
-def load_models(draft_dir: str | None, target_spec: str | None, need_draft: bool = True, threads: int | None = None,
-                small_linears: bool = True):
+def load_models(draft_dir: str | None, target_spec: str | None, need_draft: bool = True, threads: int | None = None):
     """(target, tokenizer, draft or None): the target is the one the draft was exported for
-    unless ``target_spec`` says otherwise (the loader then checks its fingerprint). With
-    ``small_linears`` a CPU target's linears take the fastest GEMM form per token count,
-    chosen by timing its forwards here (a few seconds, before any clock starts)."""
+    unless ``target_spec`` says otherwise (the loader then checks its fingerprint). Tuning
+    for the machine is the caller's next step (:func:`.cpu_tuning.tune`)."""
     from transformers.utils import logging as hf_logging
 
     from ..export.loader import load_exported, read_manifest
     from ..target.loading import load_tokenizer
     from ..target.model import load_target_model
-    from .cost import use_measured_linears
 
     if threads is not None:
         if threads < 1:
@@ -43,8 +38,4 @@ def load_models(draft_dir: str | None, target_spec: str | None, need_draft: bool
     finally:
         hf_logging.enable_progress_bar()
     draft = load_exported(draft_dir, target, tokenizer)[0] if draft_dir is not None and need_draft else None
-    if small_linears and target.device.type == "cpu":
-        print("timing the target's and the draft's linear forms per token count (~10 s; --stock-linears skips it)",
-              file=sys.stderr, flush=True)
-        use_measured_linears(target, draft)
     return target, tokenizer, draft

@@ -215,8 +215,8 @@ def test_bench_cli_writes_results_and_exit_status(tmp_path, export_dir, prompts_
 
     real = B.runtime_method
 
-    def corrupted(target, draft, settings):  # the lyanna runs emit a wrong first token
-        method = real(target, draft, settings)
+    def corrupted(target, draft, settings, cost=None):  # the lyanna runs emit a wrong first token
+        method = real(target, draft, settings, cost)
 
         def run(prompt, max_new_tokens):
             r = method(prompt, max_new_tokens)

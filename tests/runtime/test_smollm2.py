@@ -8,7 +8,7 @@ import torch
 
 from lyanna_train.models.config import DraftConfig
 from lyanna_train.models.draft_head import DraftHead
-from lyanna_train.runtime.cost import use_measured_linears
+from lyanna_train.runtime.cpu_tuning import tune
 from lyanna_train.runtime.decode import DecodeSettings, LookupSettings, generate
 from lyanna_train.runtime.draft_tree import TreeShape
 
@@ -25,9 +25,9 @@ def test_lossless_on_smollm2(smollm2_tokenizer):
     with torch.inference_mode():  # torch's own linears: what an unmodified transformers gives
         refs = [target.generate(torch.tensor([p]), max_new_tokens=16, do_sample=False)[0, len(p):].tolist()
                 for p in prompts]
-    use_measured_linears(target, draft)  # as the CLIs run it
+    cost = tune(target, draft, cache=False)  # as the CLIs run it
     for prompt, ref in zip(prompts, refs):
         for settings in (DecodeSettings(TreeShape(4, 1, 1, 4)), DecodeSettings(TreeShape(3, 3, 3, 8), LookupSettings(5))):
-            out = generate(target, draft, prompt, 16, settings)  # EOS from the target's generation_config, as generate
+            out = generate(target, draft, prompt, 16, settings, cost=cost)  # EOS from the target's generation_config, as generate
             assert out.tokens == ref
             assert out.target_forwards == 1 + len(out.accept_lengths)
