@@ -40,7 +40,7 @@ from .feature_cache import (
 )
 from .features import FeatureExtractor
 from .features import teacher_summary as summarise
-from .samples import Sample
+from .samples import MAX_LENGTH, Sample
 
 # What must match for a resumed build (or another --shard process) to add to a cache.
 _FIXED = ("format", "version", "target", "tokenizer", "chat_template_sha256", "layers", "max_length",
@@ -49,7 +49,7 @@ _FIXED = ("format", "version", "target", "tokenizer", "chat_template_sha256", "l
 
 @dataclass(frozen=True)
 class CacheSettings:
-    max_length: int = 2048  # samples are cut to this many tokens
+    max_length: int = MAX_LENGTH  # what the samples were cut to (SampleSettings): recorded, checked
     shard_tokens: int = 32768  # a shard closes at this many tokens (~150 MB for a 576-wide target)
     batch_tokens: int = 4096  # padded tokens per target forward
     # also store the teacher's full-vocabulary top-1 and logsumexp per token: one more LM-head
@@ -64,7 +64,7 @@ class CacheSettings:
 
 @dataclass
 class ShardSamples:
-    """The samples of one shard, cut to ``max_length``, in stream order."""
+    """The samples of one shard, in stream order."""
 
     shard: int
     first: int  # stream position of the first sample
@@ -98,11 +98,14 @@ def shard_samples(samples: Iterable, settings: CacheSettings, max_samples: int |
     """
     current, shard = None, 0
     for pos, sample in enumerate(itertools.islice(samples, max_samples)):
-        ids = torch.as_tensor(sample.input_ids)[: settings.max_length].to(torch.int32)
-        mask = torch.as_tensor(sample.loss_mask)[: settings.max_length].to(torch.bool)
+        ids = torch.as_tensor(sample.input_ids).to(torch.int32)
+        mask = torch.as_tensor(sample.loss_mask).to(torch.bool)
         if ids.dim() != 1 or ids.shape != mask.shape:
             raise LyannaError(f"sample {sample.index}: input_ids {tuple(ids.shape)} and loss_mask "
                               f"{tuple(mask.shape)} must be 1-D and of equal length")
+        if len(ids) > settings.max_length:  # samples are cut once, when they are built
+            raise LyannaError(f"sample {sample.index} has {len(ids)} tokens, more than max_length "
+                              f"{settings.max_length}: build the samples with SampleSettings(max_length=...)")
         if not bool(mask.any()):
             if skipped is not None:
                 skipped.append(int(sample.index))

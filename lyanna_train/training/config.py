@@ -43,7 +43,7 @@ class HotVocabConf:
 @dataclass
 class DataConf:
     corpus: list = field(default_factory=lambda: ["sharegpt"])  # training corpora (never mtbench)
-    max_length: int = 1024  # tokens per sample (longer ones keep their head)
+    max_length: int = 2048  # tokens per sample (longer ones keep their head; data.samples.MAX_LENGTH)
     max_samples: Optional[int] = None  # use only the first N samples
     features: str = "cached"  # cached: precompute target features once; online: inside each step
     cache_dir: Optional[str] = None  # feature cache; None = <train.out_dir>/features
@@ -155,8 +155,10 @@ def validate(cfg) -> None:
         bad("train.warmup_steps must be >= 0 and train.min_lr_ratio in [0, 1]")
     if cfg.data.batch_tokens < cfg.data.max_length:
         bad(f"data.batch_tokens ({cfg.data.batch_tokens}) must hold one sample of data.max_length ({cfg.data.max_length})")
-    if "mtbench" in [str(c) for c in cfg.data.corpus]:
-        bad("data.corpus includes mtbench, the evaluation set: it is for measuring, not training")
+    from ..data.corpus import Corpus
+    from ..data.samples import refuse_evaluation_sets
+
+    refuse_evaluation_sets(Corpus.resolve([str(c) for c in cfg.data.corpus]))  # the data stage's own check, early
     if cfg.tracking.wandb.mode not in ("auto", "online", "offline"):
         bad(f"tracking.wandb.mode must be auto, online or offline, not {cfg.tracking.wandb.mode!r}")
     if cfg.eval.depth < 1:

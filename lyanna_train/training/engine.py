@@ -82,16 +82,11 @@ class Engine:
             optimizer, lr_lambda(train.warmup_steps, total_steps, train.min_lr_ratio))
         self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
             model=model, optimizer=optimizer, lr_scheduler=schedule, config=deepspeed_config(ds, train))
-        self.rank = torch.distributed.get_rank()
         self.world_size = torch.distributed.get_world_size()
 
     @property
     def module(self) -> torch.nn.Module:
         return self.engine.module
-
-    @property
-    def is_main(self) -> bool:
-        return self.rank == 0
 
     @property
     def lr(self) -> float:

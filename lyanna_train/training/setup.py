@@ -7,6 +7,7 @@ so a resumed or repeated run starts in seconds.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -96,6 +97,14 @@ def eval_prompts(cfg, tokenizer) -> list[list[int]]:
     return prompts
 
 
+def draft_overrides(draft_conf) -> dict:
+    """The ``draft`` group's fields that are :class:`DraftConfig` fields (shapes and the
+    Lyanna switches), by name, so the list of fields is the dataclass's own; any other
+    field of the group is a training setting, not part of the head's config."""
+    names = {f.name for f in dataclasses.fields(DraftConfig)}
+    return {k: v for k, v in dict(draft_conf).items() if k in names}
+
+
 def build_parts(cfg, out_dir: Path, is_main: bool) -> RunParts:
     from ..target.capture import check_layer_ids, default_layer_ids
 
@@ -104,13 +113,9 @@ def build_parts(cfg, out_dir: Path, is_main: bool) -> RunParts:
     layers = target.config.num_hidden_layers
     layer_ids = check_layer_ids(cfg.target.aux_layers or default_layer_ids(layers), layers)
     hot_ids = hot_vocabulary(cfg, tokenizer, out_dir, is_main)
-    d = cfg.draft
-    draft_cfg = DraftConfig.from_target(
-        target.config, len(hot_ids), hidden_size=d.hidden_size, intermediate_size=d.intermediate_size,
-        num_attention_heads=d.num_attention_heads, num_key_value_heads=d.num_key_value_heads, head_dim=d.head_dim,
-        pool_size=d.pool_size, pool_threshold=d.pool_threshold, alpha_max=d.alpha_max, gate_hidden=d.gate_hidden,
-        other_bucket=cfg.loss.out_of_vocab == "other", num_aux_layers=len(layer_ids),
-        aux_layer_ids=tuple(layer_ids))
+    draft_cfg = DraftConfig.from_target(target.config, len(hot_ids), **draft_overrides(cfg.draft),
+                                        other_bucket=cfg.loss.out_of_vocab == "other", num_aux_layers=len(layer_ids),
+                                        aux_layer_ids=tuple(layer_ids))
     torch.manual_seed(cfg.train.seed)
     draft = DraftHead(draft_cfg, hot_ids, target.get_input_embeddings().weight)
     lm_weight = target.get_output_embeddings().weight.detach()
