@@ -17,6 +17,12 @@ $(STAMP): pyproject.toml Makefile
 	# DeepSpeed builds from source against the torch above (isolation would fetch another torch).
 	$(BIN)/pip install -q --no-build-isolation deepspeed
 	$(BIN)/pip install -q -e '.[test]'
+	# The speculators library, for conformance tests that load our exports with its own code
+	# (tests/export/test_conformance_speculators.py). It supports transformers <= 5.19 only, so it
+	# lives apart in $(VENV)/consumers (put on PYTHONPATH by those tests), with the few small
+	# packages its import needs; --no-deps keeps out its training stack (vLLM clients, torchvision...).
+	$(BIN)/pip install -q --upgrade --no-deps --target $(VENV)/consumers speculators==0.9.0 hs-connectors==0.9.0 \
+		transformers==5.19.0 loguru==0.7.3 openai==3.57.0 pydantic-settings==2.16.3 python-dotenv==1.2.4
 	touch $(STAMP)
 
 install: $(STAMP)

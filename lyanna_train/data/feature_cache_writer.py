@@ -189,7 +189,8 @@ class _BackgroundWriter:
 def compute_shard(extractor, group: ShardSamples, batch_tokens: int, teacher_summary: bool = True,
                   on_tokens=None) -> dict[str, torch.Tensor]:
     """Run the target over one shard and pack its features: aux [N, k*H], last [N, H] in bf16,
-    and (``teacher_summary``) the full-vocabulary top-1 int32 and logsumexp fp32, from fp32 states."""
+    and (``teacher_summary``) the full-vocabulary top-1 int32 and logsumexp fp32 (see
+    :func:`~.features.teacher_summary`)."""
     offsets = torch.tensor([0, *itertools.accumulate(len(t) for t in group.input_ids)], dtype=torch.int64)
     aux = torch.empty(group.tokens, extractor.aux_size, dtype=DTYPE)
     last = torch.empty(group.tokens, extractor.hidden_size, dtype=DTYPE)
@@ -199,12 +200,19 @@ def compute_shard(extractor, group: ShardSamples, batch_tokens: int, teacher_sum
     for batch in shard_batches(group, batch_tokens):
         # pad id 0 on the right: causal attention keeps real tokens from ever reading it
         feats = extractor(collate(batch, pad_id=0)["input_ids"])
+        rows = []
         for row, sample in enumerate(batch):
             a, b = int(offsets[sample.index]), int(offsets[sample.index + 1])
             aux[a:b] = feats.aux[row, : b - a]
             last[a:b] = feats.last[row, : b - a]
-            if teacher_summary:
-                top1[a:b], lse[a:b] = summarise(feats.last[row, : b - a], lm_weight)
+            rows.append((a, b, feats.last[row, : b - a]))
+        if teacher_summary:  # one LM-head pass over the batch's real tokens
+            with torch.inference_mode():
+                batch_top1, batch_lse = summarise(torch.cat([r for _, _, r in rows]), lm_weight)
+            start = 0
+            for a, b, _ in rows:
+                top1[a:b], lse[a:b] = batch_top1[start:start + b - a], batch_lse[start:start + b - a]
+                start += b - a
         if on_tokens is not None:
             on_tokens(sum(len(sample) for sample in batch))
     summary = {"teacher_top1": top1, "teacher_lse": lse} if teacher_summary else {}

@@ -54,17 +54,21 @@ class FeatureExtractor:
         return TargetFeatures(aux=aux, last=out.last_hidden_state)
 
 
-def teacher_summary(last: torch.Tensor, lm_weight: torch.Tensor, chunk: int = 2048) -> tuple[torch.Tensor, torch.Tensor]:
+def teacher_summary(last: torch.Tensor, lm_weight: torch.Tensor, chunk: int = 1024) -> tuple[torch.Tensor, torch.Tensor]:
     """last [N, H] -> (top-1 id [N] int64, logsumexp [N] fp32) of the full-vocabulary logits.
 
     All the loss needs from outside the hot vocabulary: whether the top-1 is hot, and the
     normaliser. Stored in the feature cache, it spares training the full LM head (most
-    of a small draft's step); formed in chunks of positions, never kept whole."""
+    of a small draft's step); formed in chunks of positions, never kept whole. The matrix
+    product runs in the LM head's own dtype (a bf16 target: a bf16 GEMM, 4x faster than
+    fp32 on CPUs with AVX512-BF16, rounding logits by ~0.1 at worst); one max pass gives
+    the top-1 and the shift of an fp32 logsumexp (torch.logsumexp would read the logits twice more)."""
     top1, lse = [], []
     for i in range(0, last.shape[0], chunk):
-        logits = last[i:i + chunk].float() @ lm_weight.float().T
-        top1.append(logits.argmax(-1))
-        lse.append(torch.logsumexp(logits, dim=-1))
+        logits = (last[i:i + chunk].to(lm_weight.dtype) @ lm_weight.T).float()
+        best, index = logits.max(-1)
+        top1.append(index)
+        lse.append(best + (logits - best[:, None]).exp_().sum(-1).log_())
     if not top1:
         return last.new_zeros(0, dtype=torch.long), last.new_zeros(0, dtype=torch.float32)
     return torch.cat(top1), torch.cat(lse)

@@ -40,7 +40,10 @@ MANIFEST_FILE = "manifest.json"
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 HOT_VOCAB_FILE = "hot_vocab.safetensors"  # hot_ids, d2t, t2d + tokenizer fingerprint (hotvocab artifact layout)
-SPECULATORS_DIR = "speculators"  # vLLM "speculators" config.json beside a link to the same weights
+# eagle3: engines load every *.safetensors beside config.json, so Lyanna's own files go one level down
+SIDE_DIR = "lyanna"
+EMBED_TOKENS = "embed_tokens.weight"  # the verifier's embeddings, stored beside a head only for speculators
+SPECULATORS_DIR = "speculators"  # speculators' config.json + the weights under its names (vllm serve DIR)
 AUX_CONVENTION = LAYER_CONVENTION  # ours, as the manifest states it
 
 _CORE = (  # the EAGLE-3 layout, named as SGLang and vLLM name it
@@ -52,7 +55,8 @@ _CORE = (  # the EAGLE-3 layout, named as SGLang and vLLM name it
     "midlayer.mlp.gate_proj.weight", "midlayer.mlp.up_proj.weight", "midlayer.mlp.down_proj.weight",
     "norm.weight", "lm_head.weight", "d2t", "t2d",
 )
-_LYANNA_ONLY = ("embed_proj.weight", "gate.proj.weight", "gate.proj.bias", "gate.out.weight", "gate.out.bias")
+_LYANNA_ONLY = ("embed_proj.weight", "gate.proj.weight", "gate.proj.bias", "gate.out.weight", "gate.out.bias",
+                "input_norm.weight", *(f"fc_norm.{i}.weight" for i in range(16)))  # imported variants' norms
 
 # DraftHead state-dict name -> name in the export; None: not part of that format.
 NAMES: dict[str, dict[str, str | None]] = {
@@ -60,6 +64,22 @@ NAMES: dict[str, dict[str, str | None]] = {
     EAGLE3: {**{name: name for name in _CORE},
              "gate.proj.weight": None, "gate.proj.bias": None, "gate.out.weight": None, "gate.out.bias": None},
 }
+
+
+def fold_aux_scale(cfg: DraftConfig, state: dict) -> tuple[DraftConfig, dict]:
+    """``fc(aux · s)`` = ``(W · diag s)(aux)``: the per-dimension feature scale goes into fc,
+    so every format (and every engine) sees a plain EAGLE-3 ``fc``."""
+    if not cfg.aux_scale:
+        return cfg, state
+    state = dict(state)
+    scale = state.pop("aux_scale")
+    state["fc.weight"] = (state["fc.weight"].float() * scale.float()[None, :]).to(state["fc.weight"].dtype)
+    return dataclasses.replace(cfg, aux_scale=False), state
+
+
+def hot_vocab_file(fmt: str) -> str:
+    """Where the hot-vocabulary map lives in an export, relative to it."""
+    return HOT_VOCAB_FILE if fmt == LYANNA else f"{SIDE_DIR}/{HOT_VOCAB_FILE}"
 
 
 def rename(state: dict, table: dict, where: str) -> dict:
@@ -110,6 +130,10 @@ def check_eagle3(cfg: DraftConfig) -> None:
                           f"{cfg.target_hidden_size}): SGLang and vLLM feed it the target's embeddings")
     if cfg.num_aux_layers != 3:
         raise LyannaError(f"the eagle3 format fuses exactly 3 target layers, this draft fuses {cfg.num_aux_layers}")
+    variants = [name for name in ("norm_before_fc", "fc_norm", "norm_output") if getattr(cfg, name)]
+    if variants:
+        raise LyannaError(f"the eagle3 format has no {', '.join(variants)} (SGLang's and vLLM's EAGLE-3 layer "
+                          "lack it): export this head with --format lyanna")
     if list(cfg.aux_layer_ids) != sorted(cfg.aux_layer_ids):  # engines capture layers in model order
         raise LyannaError(f"the eagle3 engines fuse target layers in ascending order; this draft was trained on "
                           f"{list(cfg.aux_layer_ids)} in another order")
@@ -132,7 +156,7 @@ def eagle3_config(cfg: DraftConfig, dtype: str) -> dict:
     check_eagle3(cfg)
     out = {"architectures": ["LlamaForCausalLMEagle3"], **_llama_fields(cfg, dtype),
            "draft_vocab_size": cfg.draft_vocab_size, "target_hidden_size": cfg.target_hidden_size,
-           "norm_before_residual": False,  # the residual is the un-normed incoming state
+           "norm_before_residual": cfg.norm_before_residual,  # is the residual the normed incoming state?
            "eagle_config": {"use_aux_hidden_state": True}}
     if cfg.aux_layer_ids:
         out["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = sglang_layer_ids(cfg.aux_layer_ids)
@@ -160,29 +184,32 @@ def config_from_eagle3(config: dict, where: str) -> DraftConfig:
             head_dim=int(config.get("head_dim") or hidden // heads), rms_norm_eps=float(config["rms_norm_eps"]),
             rope_theta=float(rope), max_position_embeddings=int(config.get("max_position_embeddings", 4096)),
             num_aux_layers=3, aux_layer_ids=tuple(sglang_layer_ids(ids or ())),
-            pool_size=0, alpha_max=0.0, other_bucket=False)
+            norm_before_residual=bool(config.get("norm_before_residual", False)), pool_size=0, alpha_max=0.0, other_bucket=False)
     except KeyError as err:
         raise LyannaError(f"{where}: missing key {err.args[0]!r}") from None
     except (TypeError, ValueError) as err:
         raise LyannaError(f"{where}: {err}") from None
 
 
-def speculators_config(cfg: DraftConfig, verifier: str, speculative_tokens: int, dtype: str) -> dict:
-    """vLLM's "speculators" config.json (``speculators_model_type: eagle3``) for the same weights.
+def speculators_config(cfg: DraftConfig, verifier: dict, speculative_tokens: int, dtype: str) -> dict:
+    """speculators' config.json (``speculators_model_type: eagle3``) for the same head, which
+    ``vllm serve`` and speculators' ``Eagle3DraftModel.from_pretrained`` load.
 
     vLLM converts it in ``SpeculatorsConfig``/``update_eagle3``: ``norm_before_residual``
     defaults to True there, so it is written out; layer ids use vLLM's convention.
+    ``verifier``: {"name_or_path", "architectures"}, the target the engine loads.
     """
     check_eagle3(cfg)
     out = {"architectures": ["Eagle3Speculator"], "speculators_model_type": "eagle3",
            "draft_vocab_size": cfg.draft_vocab_size, "target_hidden_size": cfg.target_hidden_size,
-           "norm_before_residual": False, "norm_before_fc": False, "fc_norm": False, "norm_output": False,
+           "norm_before_residual": cfg.norm_before_residual, "norm_before_fc": False, "fc_norm": False, "norm_output": False,
            "transformer_layer_config": {"architectures": ["LlamaForCausalLM"], **_llama_fields(cfg, dtype)},
            "speculators_config": {
                "algorithm": "eagle3", "default_proposal_method": "greedy",
                "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": int(speculative_tokens),
                                      "verifier_accept_k": 1, "accept_tolerance": 0.0}],
-               "verifier": {"name_or_path": verifier, "architectures": []}},
+               "verifier": {"name_or_path": verifier["name_or_path"],
+                            "architectures": list(verifier["architectures"])}},
            "torch_dtype": dtype}
     if cfg.aux_layer_ids:
         out["eagle_aux_hidden_state_layer_ids"] = vllm_layer_ids(cfg.aux_layer_ids)

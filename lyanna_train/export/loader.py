@@ -98,6 +98,14 @@ def check_fingerprints(manifest: dict, export_dir: Path, target_fp: str, tokeniz
                               f"this tokenizer's fingerprint {have}")
 
 
+def hot_vocab_path(manifest: dict, fmt: str) -> str:
+    """The map's place as the manifest records it (exports before the eagle3 side directory: the root)."""
+    recorded = (manifest.get("files") or {}).get("hot_vocab") or F.HOT_VOCAB_FILE
+    if Path(recorded).is_absolute() or ".." in Path(recorded).parts:
+        raise LyannaError(f"manifest.json: the hot-vocabulary path {recorded!r} leaves the export directory")
+    return recorded
+
+
 def load_exported(export_dir: str | Path, target, tokenizer=None, *,
                   target_fingerprint: str | None = None) -> tuple[DraftHead, dict]:
     """(DraftHead in eval mode on the target's device, manifest) from an export directory.
@@ -115,13 +123,20 @@ def load_exported(export_dir: str | Path, target, tokenizer=None, *,
     fmt = manifest["format"]
     config_file, weights_file = export_dir / F.CONFIG_FILE, export_dir / F.WEIGHTS_FILE
     cfg = config_from_export(fmt, read_json(config_file), config_file)
-    state = F.rename(read_tensors(weights_file), F.inverse(F.NAMES[fmt]), str(weights_file))
+    tensors = read_tensors(weights_file)
+    stored_embed = tensors.pop(F.EMBED_TOKENS, None) if fmt == F.EAGLE3 else None  # --with-embeddings
+    state = F.rename(tensors, F.inverse(F.NAMES[fmt]), str(weights_file))
     check_state(state, cfg, config_file, weights_file)
-    hot = load_hot_vocab(export_dir / F.HOT_VOCAB_FILE,
-                         expect_fingerprint=(manifest.get("tokenizer") or {}).get("fingerprint"))
+    hot_file = export_dir / hot_vocab_path(manifest, fmt)
+    if not hot_file.is_file():
+        raise LyannaError(f"missing {hot_file.relative_to(export_dir)} in {export_dir}")
+    hot = load_hot_vocab(hot_file, expect_fingerprint=(manifest.get("tokenizer") or {}).get("fingerprint"))
     if not torch.equal(hot.d2t, state["d2t"]) or not torch.equal(hot.t2d, state["t2d"]):
-        raise LyannaError(f"{export_dir / F.HOT_VOCAB_FILE} does not match d2t/t2d in {weights_file.name}")
+        raise LyannaError(f"{hot_file} does not match d2t/t2d in {weights_file.name}")
     embeddings = target.get_input_embeddings().weight
+    if stored_embed is not None and stored_embed.shape != embeddings.shape:
+        raise LyannaError(f"{weights_file}: {F.EMBED_TOKENS} is {tuple(stored_embed.shape)}, the target's "
+                          f"embeddings {tuple(embeddings.shape)}")
     if tuple(embeddings.shape) != (cfg.vocab_size, cfg.target_hidden_size):
         raise LyannaError(f"{config_file}: the target's embeddings are {tuple(embeddings.shape)}, the draft expects "
                           f"({cfg.vocab_size}, {cfg.target_hidden_size})")

@@ -13,7 +13,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import shutil
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Callable
@@ -24,6 +23,7 @@ from .. import __version__
 from ..atomic import atomic_directory, check_output_dir
 from ..errors import LyannaError
 from ..models.config import DraftConfig
+from . import engines
 from . import formats as F
 from .loader import check_state, read_json, read_tensors
 
@@ -133,25 +133,38 @@ def format_tensors(state: dict, cfg: DraftConfig, fmt: str, dtype: torch.dtype |
     return {k: v.contiguous() for k, v in out.items()}
 
 
+def base_manifest(fmt: str, cfg: DraftConfig, target_info: dict, tokenizer_info: dict) -> dict:
+    """What every export's manifest starts with: what it is, and what a loader must check."""
+    return {
+        "kind": F.KIND, "version": F.VERSION, "format": fmt, "lyanna_train": __version__,
+        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "files": {"weights": F.WEIGHTS_FILE, "config": F.CONFIG_FILE, "hot_vocab": F.hot_vocab_file(fmt)},
+        "target": target_info,
+        "tokenizer": tokenizer_info,
+        "aux_layers": {"ids": [int(i) for i in cfg.aux_layer_ids], "convention": F.AUX_CONVENTION,
+                       "sglang": F.sglang_layer_ids(cfg.aux_layer_ids), "vllm": F.vllm_layer_ids(cfg.aux_layer_ids)},
+    }
+
+
 def export_checkpoint(checkpoint_dir: str | Path, out_dir: str | Path, fmt: str = F.LYANNA, *,
                       target=None, tokenizer=None, target_name: str | None = None, dtype: str | None = None,
                       overwrite: bool = False, speculators: bool = False, verifier: str | None = None,
-                      speculative_tokens: int = 3, say: Callable = print) -> Path:
-    """Write ``out_dir`` from a checkpoint (or a run's latest one); returns the checkpoint used."""
-    from safetensors.torch import save_file
+                      speculative_tokens: int = 3, embeddings: bool = False, say: Callable = print) -> Path:
+    """Write ``out_dir`` from a checkpoint (or a run's latest one); returns the checkpoint used.
 
-    from ..hotvocab.artifact import save_hot_vocab
-    from ..hotvocab.selection import HotVocab
-
+    ``embeddings`` (eagle3): also store the verifier's ``embed_tokens.weight`` beside the head, as
+    SpecForge does, for speculators' converter (whose output otherwise loads uninitialised).
+    """
     if fmt not in F.FORMATS:
         raise LyannaError(f"unknown export format {fmt!r} (choose from {', '.join(F.FORMATS)})")
     if dtype is not None and dtype not in DTYPES:
         raise LyannaError(f"unknown dtype {dtype!r} (choose from {', '.join(DTYPES)})")
-    if speculators and fmt != F.EAGLE3:
-        raise LyannaError("the speculators config describes an EAGLE-3 head: use it with the eagle3 format")
+    if (speculators or embeddings) and fmt != F.EAGLE3:
+        raise LyannaError("--speculators-config and --with-embeddings belong to the eagle3 format")
     out_dir = check_output_dir(out_dir, overwrite)
     ckpt = resolve_checkpoint(checkpoint_dir)
     cfg, extra, state = read_checkpoint(ckpt)
+    cfg, state = F.fold_aux_scale(cfg, state)
     if fmt == F.EAGLE3:
         F.check_eagle3(cfg)
     run_dir = ckpt.parent.parent if ckpt.parent.name == "checkpoints" else None
@@ -159,51 +172,77 @@ def export_checkpoint(checkpoint_dir: str | Path, out_dir: str | Path, fmt: str 
     target_name = target_name or extra.get("target")
     say(f"exporting {ckpt} ({fmt} format)")
     target_info, tokenizer_info = fingerprints(run_dir, target_name, target, tokenizer, say)
-    tensors = format_tensors(state, cfg, fmt, DTYPES.get(dtype))
-    dtype_name = str(tensors["fc.weight"].dtype).removeprefix("torch.")
-    config = F.lyanna_config(cfg) if fmt == F.LYANNA else F.eagle3_config(cfg, dtype_name)
     dropped = [] if fmt == F.LYANNA else [p for p, on in (("state pool", cfg.pool_size > 0),
                                                            ("alpha-gate", cfg.pool_enabled),
                                                            ("other-bucket logit", cfg.other_bucket)) if on]
     manifest = {
-        "kind": F.KIND, "version": F.VERSION, "format": fmt, "lyanna_train": __version__,
-        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "files": {"weights": F.WEIGHTS_FILE, "config": F.CONFIG_FILE, "hot_vocab": F.HOT_VOCAB_FILE},
-        "target": {"name": target_name, **target_info},
-        "tokenizer": tokenizer_info,
-        "aux_layers": {"ids": [int(i) for i in cfg.aux_layer_ids], "convention": F.AUX_CONVENTION,
-                       "sglang": F.sglang_layer_ids(cfg.aux_layer_ids), "vllm": F.vllm_layer_ids(cfg.aux_layer_ids)},
+        **base_manifest(fmt, cfg, {"name": target_name, **target_info}, tokenizer_info),
         "dropped": dropped,
         "training": {"checkpoint": str(ckpt.resolve()), "step": step, "draft_config": {**F.lyanna_config(cfg), **extra},
                      "run_config": _run_config(run_dir)},
         "metrics": final_metrics(run_dir, step),
     }
+    engine_verifier = None
+    if fmt == F.EAGLE3:
+        engine_verifier = _verifier_for_engines(target_name, verifier, target, required=speculators or embeddings)
+        manifest["verifier"] = engine_verifier
+        manifest["serving"] = engines.serving_commands(
+            out_dir, cfg, (engine_verifier or {}).get("name_or_path") or verifier or target_name or "TARGET",
+            speculative_tokens, speculators, embeddings)
+    embed = engines.speculators_embeddings(engine_verifier, cfg, target) if speculators or embeddings else None
+    write_directory(out_dir, cfg, state, fmt, manifest, tokenizer_info["fingerprint"], dtype=DTYPES.get(dtype),
+                    overwrite=overwrite, speculators=(engine_verifier, speculative_tokens) if speculators else None,
+                    embed=embed, embed_in_root=embeddings, say=say)
+    return ckpt
+
+
+def _verifier_for_engines(target_name, verifier, target, required: bool) -> dict | None:
+    """The verifier as engines open it; without --speculators-config a failure only leaves it unrecorded."""
+    try:
+        return engines.resolve_verifier(target_name, verifier, target)
+    except LyannaError:
+        if required:
+            raise
+        return None
+
+
+def write_directory(out_dir: Path, cfg: DraftConfig, state: dict, fmt: str, manifest: dict, tokenizer_fp: str, *,
+                    dtype: torch.dtype | None = None, overwrite: bool = False, speculators: tuple | None = None,
+                    embed: torch.Tensor | None = None, embed_in_root: bool = False, say: Callable = print) -> None:
+    """Write an export directory atomically from a DraftHead state dict and its manifest.
+
+    ``speculators``: (verifier {"name_or_path", "architectures"}, speculative tokens) to add the
+    ``speculators/`` directory, which carries ``embed`` (the verifier's embeddings), as the
+    root's weights do with ``embed_in_root``.
+    Shared by :func:`export_checkpoint` and the importer, so both write one layout.
+    """
+    from safetensors.torch import save_file
+
+    from ..hotvocab.artifact import save_hot_vocab
+    from ..hotvocab.selection import HotVocab
+
+    tensors = format_tensors(state, cfg, fmt, dtype)
+    dtype_name = str(tensors["fc.weight"].dtype).removeprefix("torch.")
+    if embed is not None:
+        embed = embed.detach().to(tensors["fc.weight"].dtype).contiguous()
+    config = F.lyanna_config(cfg) if fmt == F.LYANNA else F.eagle3_config(cfg, dtype_name)
     if speculators:
         manifest["files"]["speculators"] = f"{F.SPECULATORS_DIR}/{F.CONFIG_FILE}"
     with atomic_directory(out_dir, overwrite=overwrite) as tmp:
-        save_file(tensors, str(tmp / F.WEIGHTS_FILE), metadata={"format": "pt", "lyanna_export": fmt})
+        root = {**tensors, F.EMBED_TOKENS: embed} if embed_in_root else tensors
+        save_file(root, str(tmp / F.WEIGHTS_FILE), metadata={"format": "pt", "lyanna_export": fmt})
         (tmp / F.CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
         hot = HotVocab(state["d2t"] + torch.arange(len(state["d2t"])), state["d2t"], state["t2d"])
-        os.replace(tmp / save_hot_vocab(tmp, hot, tokenizer_info["fingerprint"]), tmp / F.HOT_VOCAB_FILE)
+        hot_file = tmp / F.hot_vocab_file(fmt)
+        hot_file.parent.mkdir(exist_ok=True)
+        os.replace(hot_file.parent / save_hot_vocab(hot_file.parent, hot, tokenizer_fp), hot_file)
         if speculators:
-            _write_speculators(tmp, cfg, verifier or target_name or "", speculative_tokens, dtype_name)
+            engines.write_speculators(tmp, cfg, tensors, *speculators, dtype_name, embed)
         (tmp / F.MANIFEST_FILE).write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")
         for path in tmp.rglob("*"):  # safetensors writes 0600; a serving directory is read by other users
             if path.is_file():
                 path.chmod(0o644)
-    size = (out_dir / F.WEIGHTS_FILE).stat().st_size / 2**20
+    size = (Path(out_dir) / F.WEIGHTS_FILE).stat().st_size / 2**20
+    dropped = manifest.get("dropped") or []
     say(f"wrote {out_dir}: {len(tensors)} tensors, {size:.1f} MiB" +
         (f"; left out (not expressible in EAGLE-3 engines): {', '.join(dropped)}" if dropped else ""))
-    return ckpt
-
-
-def _write_speculators(root: Path, cfg: DraftConfig, verifier: str, tokens: int, dtype: str) -> None:
-    """A directory vLLM loads as a "speculators" model: its config + the same weights (hard link when possible)."""
-    sub = root / F.SPECULATORS_DIR
-    sub.mkdir()
-    (sub / F.CONFIG_FILE).write_text(json.dumps(F.speculators_config(cfg, verifier, tokens, dtype), indent=2) + "\n",
-                                     encoding="utf-8")
-    try:
-        os.link(root / F.WEIGHTS_FILE, sub / F.WEIGHTS_FILE)
-    except OSError:
-        shutil.copyfile(root / F.WEIGHTS_FILE, sub / F.WEIGHTS_FILE)

@@ -49,6 +49,15 @@ def kl_to_teacher(draft_logits: torch.Tensor, teacher_logp: torch.Tensor) -> tor
     return (teacher_logp.exp() * (teacher_logp - q)).sum(-1)
 
 
+def tv_to_teacher(draft_logits: torch.Tensor, teacher_logp: torch.Tensor) -> torch.Tensor:
+    """Per-position total variation ½·Σ|p − q|: draft_logits, teacher_logp [N, K] -> [N].
+
+    Under rejection sampling a drafted token is accepted with probability Σ min(p, q) =
+    1 − TV(p, q), so TV is the acceptance loss itself (KL only bounds it, via Pinsker)."""
+    q = torch.softmax(draft_logits.float(), dim=-1)
+    return 0.5 * (teacher_logp.exp() - q).abs().sum(-1)
+
+
 def hidden_regression(draft_state: torch.Tensor, target_state: torch.Tensor) -> torch.Tensor:
     """Smooth-L1 between RMS-normalised states [N, H] -> [N]: scale-free, so the target's
     outlier dimensions (thousands in magnitude) do not dominate the loss."""

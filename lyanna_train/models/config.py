@@ -24,12 +24,21 @@ class DraftConfig:
     max_position_embeddings: int = 4096
     num_aux_layers: int = 3  # target layers fused by ``fc``
     aux_layer_ids: tuple = ()  # which ones: "output of decoder layer i" (0-based), recorded for serving
+    # the layer's residual is the normed incoming state (EAGLE-3's norm_before_residual, which
+    # vLLM and speculators read): the target's outlier dimensions then never enter the residual
+    norm_before_residual: bool = False
+    aux_scale: bool = False  # a fixed per-dimension scale on the target features before fc (folded into fc on export)
     # Lyanna parts (each can be switched off for ablations)
     pool_size: int = 512  # states kept in the pool (0 = pool off); 128 minimum when on
     pool_threshold: float = 0.85  # cosine similarity needed to use a retrieved state
     alpha_max: float = 0.3  # α = alpha_max · sigmoid(gate(...)); 0 = gate off
     gate_hidden: int = 64  # width of the α-gating network
     other_bucket: bool = False  # train an extra "outside the hot vocabulary" logit
+    # EAGLE-3 variants of heads imported from speculators' trainer (its defaults turn the first
+    # and last on); heads trained here leave all three off, as SGLang and vLLM expect
+    norm_before_fc: bool = False  # one RMSNorm over the concatenated features before fc ("input_norm")
+    fc_norm: bool = False  # an RMSNorm per fused layer's features before fc ("fc_norm.i")
+    norm_output: bool = False  # the next draft step reads the normed state ("Eagle 3.1")
 
     def __post_init__(self):
         if self.hidden_size % 2 or self.head_dim % 2:
@@ -44,6 +53,8 @@ class DraftConfig:
             raise LyannaError(f"aux_layer_ids {tuple(self.aux_layer_ids)} do not match num_aux_layers {self.num_aux_layers}")
         if not 0.0 <= self.alpha_max <= 1.0:
             raise LyannaError(f"alpha_max must be in [0, 1], not {self.alpha_max}")
+        if self.norm_before_fc and self.fc_norm:
+            raise LyannaError("norm_before_fc and fc_norm are alternatives: set one at most")
         if not -1.0 <= self.pool_threshold <= 1.0:
             raise LyannaError(f"pool_threshold is a cosine similarity in [-1, 1], not {self.pool_threshold}")
 

@@ -25,7 +25,7 @@ from .state_pool import retrieve_causal
 @dataclass
 class StepOutput:
     logits: torch.Tensor  # [B, T, draft_vocab (+1 with the other bucket)]
-    hidden: torch.Tensor  # [B, T, H] fused state fed to the next step
+    hidden: torch.Tensor  # [B, T, H] fused state (the next step reads ``DraftHead.carry`` of it)
     alpha: torch.Tensor  # [B, T] α used (0 where the pool missed)
     hit: torch.Tensor  # [B, T] bool: a pooled state passed the threshold
 
@@ -34,7 +34,11 @@ class DraftHead(nn.Module):
     def __init__(self, cfg: DraftConfig, hot_ids: torch.Tensor, target_embeddings: torch.Tensor):
         super().__init__()
         self.cfg = cfg
-        self.fc = nn.Linear(cfg.num_aux_layers * cfg.target_hidden_size, cfg.hidden_size, bias=False)
+        features = cfg.num_aux_layers * cfg.target_hidden_size
+        self.input_norm = LlamaRMSNorm(features, eps=cfg.rms_norm_eps) if cfg.norm_before_fc else None
+        self.fc_norm = nn.ModuleList(LlamaRMSNorm(cfg.target_hidden_size, eps=cfg.rms_norm_eps)
+                                     for _ in range(cfg.num_aux_layers)) if cfg.fc_norm else None
+        self.fc = nn.Linear(features, cfg.hidden_size, bias=False)
         self.embed_proj = (nn.Linear(cfg.target_hidden_size, cfg.hidden_size, bias=False)
                            if cfg.hidden_size != cfg.target_hidden_size else None)
         self.midlayer = DraftDecoderLayer(cfg)
@@ -46,6 +50,8 @@ class DraftHead(nn.Module):
             raise ValueError(f"{len(hot_ids)} hot ids for draft_vocab_size {cfg.draft_vocab_size}")
         self.register_buffer("d2t", hot_ids - torch.arange(len(hot_ids)))
         self.register_buffer("t2d", torch.zeros(cfg.vocab_size, dtype=torch.bool).scatter_(0, hot_ids, True))
+        if cfg.aux_scale:  # set from data by the trainer (training.setup); 1 = the plain EAGLE-3 fc
+            self.register_buffer("aux_scale", torch.ones(cfg.num_aux_layers * cfg.target_hidden_size))
         # The target's own embeddings, frozen and not part of the draft's weights: a reference
         # to the target's table, not a copy (~1 GB in bf16 for Llama-3-8B).
         self.register_buffer("embed_weight", target_embeddings.detach(), persistent=False)
@@ -53,6 +59,21 @@ class DraftHead(nn.Module):
     @property
     def hot_ids(self) -> torch.Tensor:
         return self.d2t + torch.arange(len(self.d2t), device=self.d2t.device)
+
+    def fuse_features(self, aux: torch.Tensor) -> torch.Tensor:
+        """Target features [..., L·Ht] -> the step-0 state [..., H] (``fc``, after the optional norms)."""
+        x = aux.to(self.fc.weight.dtype)
+        if self.input_norm is not None:
+            x = self.input_norm(x)
+        if self.fc_norm is not None:
+            x = torch.cat([norm(part) for norm, part in zip(self.fc_norm, x.chunk(len(self.fc_norm), dim=-1))], -1)
+        if self.cfg.aux_scale:
+            x = x * self.aux_scale.to(x.dtype)
+        return self.fc(x)
+
+    def carry(self, fused: torch.Tensor) -> torch.Tensor:
+        """The state the next draft step reads: the fused state, or its normed form (``norm_output``)."""
+        return self.norm(fused) if self.cfg.norm_output else fused
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         e = nn.functional.embedding(input_ids, self.embed_weight).to(self.fc.weight.dtype)
@@ -80,7 +101,7 @@ class DraftHead(nn.Module):
         embeds = self.embed(input_ids)
         positions = torch.arange(t, device=aux.device).expand(b, t)
         causal = torch.ones(t, t, dtype=torch.bool, device=aux.device).tril()
-        hidden = self.fc(aux.to(self.fc.weight.dtype))
+        hidden = self.fuse_features(aux)
         keys, values, outputs, step0 = [], [], [], None
         for j in range(steps):
             shifted = torch.zeros_like(embeds)
@@ -99,7 +120,7 @@ class DraftHead(nn.Module):
                 alpha = torch.zeros(b, t, device=aux.device)
                 hit = torch.zeros(b, t, dtype=torch.bool, device=aux.device)
             outputs.append(StepOutput(self.score(fused), fused, alpha, hit))
-            hidden = fused
+            hidden = self.carry(fused)
         return outputs
 
     def forward_cached(self, hidden: torch.Tensor, input_ids: torch.Tensor, positions: torch.Tensor,

@@ -81,6 +81,7 @@ class DraftDecoderLayer(nn.Module):
         self.post_attention_layernorm = LlamaRMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
         self.mlp = LlamaMLP(lcfg)
         self.rotary = LlamaRotaryEmbedding(lcfg)
+        self.norm_before_residual = cfg.norm_before_residual
 
     def qkv(self, embeds: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor):
         """embeds, hidden [B, T, H]; positions [B, T] -> (q, k, v)."""
@@ -90,5 +91,6 @@ class DraftDecoderLayer(nn.Module):
 
     def finish(self, hidden: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
         """Residual + attention output, then the MLP block: [B, T, H]."""
-        h = hidden + self.self_attn.output(attn)
+        residual = self.hidden_norm(hidden) if self.norm_before_residual else hidden
+        h = residual + self.self_attn.output(attn)
         return h + self.mlp(self.post_attention_layernorm(h))

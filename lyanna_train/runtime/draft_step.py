@@ -70,7 +70,7 @@ def draft_extend(draft: DraftHead, state: DraftState, aux: torch.Tensor, next_to
         raise ValueError(f"new anchors must start at {state.length}, not {start}")
     b, n = next_tokens.shape
     positions = torch.arange(start, start + n, device=next_tokens.device).expand(b, n)
-    hidden = draft.fc(aux.to(draft.fc.weight.dtype))
+    hidden = draft.fuse_features(aux)
     state.reserve(start + n)
     current = draft.forward_cached(hidden, next_tokens, positions, state.keys, state.values, start,
                                    _chunk_mask(start, n, hidden.device))

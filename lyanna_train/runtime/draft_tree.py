@@ -83,7 +83,8 @@ def _expand(draft: DraftHead, state: DraftState, parent_states: torch.Tensor, to
         mask[0, 0, i, slots] = True
         mask[0, 0, i, first + i] = True
     state.reserve(first + n)
-    current = draft.forward_cached(parent_states[None], ids, positions, state.keys, state.values, first, mask)
+    current = draft.forward_cached(draft.carry(parent_states[None]), ids, positions, state.keys, state.values, first,
+                                   mask)
     state.scratch = first + n
     if state.pool is None:
         return current[0]

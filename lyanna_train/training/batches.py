@@ -66,6 +66,19 @@ def cache_lengths(cache: FeatureCache) -> list[list[int]]:
     return out
 
 
+def first_tokens(shard_lengths: list[list[int]], max_tokens: int | None) -> list[list[int]]:
+    """Keep the first shards up to ``max_tokens`` tokens (at least one); later shards become
+    empty, so one cache serves runs of several sizes (scaling curves)."""
+    if max_tokens is None:
+        return shard_lengths
+    out, total, full = [], 0, False
+    for lengths in shard_lengths:
+        full = full or (bool(out) and total + sum(lengths) > max_tokens)
+        out.append([] if full else lengths)
+        total += 0 if full else sum(lengths)
+    return out
+
+
 class CachedBatches:
     """Materialises :class:`BatchRef` batches from a feature cache, one shard in memory."""
 

@@ -20,6 +20,13 @@ class TargetConf:
 
 
 @dataclass
+class TargetInitConf:
+    lm_head: bool = False  # lm_head <- the target's output embeddings at the hot ids; norm <- its final norm
+    layer: Optional[int] = None  # decoder layer <- this target layer (embedding half of q/k/v at zero); None = random
+    fc: str = "random"  # random, or top_layer: fc passes the highest captured layer through
+
+
+@dataclass
 class DraftConf:
     hidden_size: Optional[int] = None  # draft width; None = the target's (needed for SGLang/vLLM EAGLE-3)
     intermediate_size: Optional[int] = None  # None = the target's
@@ -30,6 +37,13 @@ class DraftConf:
     pool_threshold: float = 0.85  # cosine similarity a pooled state needs to be fused
     alpha_max: float = 0.3  # upper bound of α (0 = gate off)
     gate_hidden: int = 64  # width of the α-gating network
+    target_init: TargetInitConf = field(default_factory=TargetInitConf)  # start from the target's weights
+    freeze_lm_head: bool = False  # keep the LM head as initialised (fewer parameters to over-fit)
+    norm_before_residual: bool = False  # the layer's residual is the normed state (outlier dims kept out of it)
+    aux_scale: bool = False  # scale each target-feature dimension by 1/RMS before fc (folded into fc on export)
+    # fine-tune an existing head: an export dir (lyanna or eagle3; `lyanna-export import` for other toolkits')
+    init_from: Optional[str] = None
+    init_vocab: str = "keep"  # keep: the head's vocabulary map; rebuild: the run's hot vocabulary, shared rows kept
 
 
 @dataclass
@@ -50,6 +64,7 @@ class DataConf:
     batch_tokens: int = 4096  # padded tokens per micro-batch
     shard_tokens: int = 32768  # tokens per cache shard
     teacher_summary: bool = True  # cache the teacher's top-1 + logsumexp: slower extraction, faster epochs
+    max_tokens: Optional[int] = None  # train on the cache's first shards up to this many tokens (scaling runs)
 
 
 @dataclass
@@ -58,6 +73,8 @@ class LossConf:
     step_weight: float = 0.8  # step j is weighted step_weight**j
     out_of_vocab: str = "mask"  # mask: drop positions whose target top-1 is not hot; other: an extra bucket
     hidden_weight: float = 0.0  # weight of the smooth-L1 regression toward the target's next state
+    tv_weight: float = 0.0  # weight of the total-variation distance to the teacher (1 - TV bounds acceptance)
+    positions: str = "assistant"  # which positions are trained: assistant (what is served) or all (user turns too)
 
 
 @dataclass
@@ -112,6 +129,11 @@ class EvalConf:
     num_prompts: int = 8
     depth: int = 5  # chain-drafting depth
     max_new_tokens: int = 64
+    # teacher-forced top-1 agreement on samples the head never trains on (and on as many it
+    # does: the over-fit gap); they follow the training range in the corpus stream
+    heldout_samples: int = 64  # 0 = off
+    heldout_from: Optional[int] = None  # stream position of the first held-out sample; None = data.max_samples
+    agreement_steps: int = 3  # unroll steps whose agreement is reported
 
 
 @dataclass
@@ -137,6 +159,15 @@ def validate(cfg) -> None:
         bad(f"data.features must be 'cached' or 'online', not {cfg.data.features!r}")
     if cfg.loss.out_of_vocab not in ("mask", "other"):
         bad(f"loss.out_of_vocab must be 'mask' or 'other', not {cfg.loss.out_of_vocab!r}")
+    if cfg.loss.positions not in ("assistant", "all"):
+        bad(f"loss.positions must be 'assistant' or 'all', not {cfg.loss.positions!r}")
+    if cfg.draft.target_init.fc not in ("random", "top_layer"):
+        bad(f"draft.target_init.fc must be 'random' or 'top_layer', not {cfg.draft.target_init.fc!r}")
+    if cfg.draft.init_vocab not in ("keep", "rebuild"):
+        bad(f"draft.init_vocab must be 'keep' or 'rebuild', not {cfg.draft.init_vocab!r}")
+    init = cfg.draft.target_init
+    if cfg.draft.init_from and (init.lm_head or init.layer is not None or init.fc != "random"):
+        bad("draft.init_from and draft.target_init are alternatives: a head to fine-tune is already initialised")
     if cfg.loss.ttt_steps < 1:
         bad("loss.ttt_steps must be at least 1")
     if not 0 < cfg.hotvocab.ratio <= 1:
@@ -161,6 +192,10 @@ def validate(cfg) -> None:
     refuse_evaluation_sets(Corpus.resolve([str(c) for c in cfg.data.corpus]))  # the data stage's own check, early
     if cfg.tracking.wandb.mode not in ("auto", "online", "offline"):
         bad(f"tracking.wandb.mode must be auto, online or offline, not {cfg.tracking.wandb.mode!r}")
+    if cfg.eval.heldout_samples < 0 or cfg.eval.agreement_steps < 1:
+        bad("eval.heldout_samples must be >= 0 and eval.agreement_steps >= 1")
+    if cfg.data.max_tokens is not None and cfg.data.max_tokens < 1:
+        bad("data.max_tokens must be at least 1 (or null for the whole cache)")
     if cfg.eval.depth < 1:
         bad("eval.depth must be at least 1")
 

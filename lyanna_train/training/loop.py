@@ -11,9 +11,10 @@ import torch
 
 from ..atomic import write_text_atomic
 from . import checkpoint as ckpt
-from .batches import CachedBatches, OnlineBatches, cache_lengths, plan_epoch
+from .batches import CachedBatches, OnlineBatches, cache_lengths, first_tokens, plan_epoch
 from .config import validate
 from .engine import Engine, init_distributed
+from .heldout import AgreementSets, heldout_start
 from .setup import build_parts, feature_cache, online_samples, training_samples
 from .step import distill_loss
 from .tracking import Tracker
@@ -29,17 +30,23 @@ def _set_rng_state(state: dict) -> None:
     np.random.set_state(state["numpy"])
 
 
-def evaluate(cfg, parts, draft) -> dict:
-    """Mean acceptance length τ of the current head under chain drafting (the runtime's code)."""
+def evaluate(cfg, parts, draft, agreement=None) -> dict:
+    """Mean acceptance length τ of the current head under chain drafting (the runtime's code),
+    and its teacher-forced top-1 agreement on held-out and training samples."""
     from ..evaluation.acceptance import mean_acceptance
 
+    out = {}
+    if agreement is not None:
+        out.update(agreement.metrics(draft, cfg.eval.agreement_steps))
+    if not parts.eval_prompts:
+        return out
     draft.eval()
     try:
         result = mean_acceptance(parts.target, draft, parts.eval_prompts, depth=cfg.eval.depth,
                                  max_new_tokens=cfg.eval.max_new_tokens)
     finally:
         draft.train()
-    out = {f"eval/{k}": v for k, v in result.items() if isinstance(v, (int, float))}
+    out.update({f"eval/{k}": v for k, v in result.items() if isinstance(v, (int, float))})
     for depth, rate in enumerate(result.get("accept_rate", []), start=1):  # acceptance by depth
         out[f"eval/accept_rate_d{depth}"] = rate
     return out
@@ -60,10 +67,16 @@ def train(cfg, config_dict: dict | None = None) -> dict:
 
     # ---- setup
     parts = build_parts(cfg, out_dir, rank == 0)
+    agreement = None
     if cfg.data.features == "cached":
-        cache = feature_cache(cfg, training_samples(cfg, parts.tokenizer), parts.target, parts.tokenizer,
-                              parts.layer_ids, out_dir, rank, world)
-        lengths, source = cache_lengths(cache), CachedBatches(cache)
+        samples = training_samples(cfg, parts.tokenizer)
+        cache = feature_cache(cfg, samples, parts.target, parts.tokenizer, parts.layer_ids, out_dir, rank, world)
+        lengths, source = first_tokens(cache_lengths(cache), cfg.data.max_tokens), CachedBatches(cache)
+        start = heldout_start(cfg, samples, say)
+        if start is not None:
+            held = feature_cache(cfg, samples, parts.target, parts.tokenizer, parts.layer_ids, out_dir, rank, world,
+                                 heldout_from=start)
+            agreement = AgreementSets.of(held, cache, cfg.data.batch_tokens)
     else:
         from ..data.features import FeatureExtractor
 
@@ -77,6 +90,14 @@ def train(cfg, config_dict: dict | None = None) -> dict:
 
         raise LyannaError(f"not enough data for one optimizer step on {world} ranks with grad_accum {accum}")
     total = cfg.train.max_steps or per_epoch * cfg.train.epochs
+    # the feature scale, from the first batches (a resumed run loads the saved one; an imported head has its own)
+    if parts.draft.cfg.aux_scale and not cfg.draft.init_from:
+        from ..models.init import feature_scale, set_aux_scale
+
+        first = [source(ref) for ref in plan_epoch(lengths, cfg.data.batch_tokens, cfg.train.seed, 0, 1)[:4]]
+        aux = torch.cat([b["aux"][b["valid"]] for b in first])
+        starts = torch.cat([(torch.arange(b["valid"].shape[1]) == 0).expand_as(b["valid"])[b["valid"]] for b in first])
+        set_aux_scale(parts.draft, feature_scale(aux, starts), keep_function=cfg.draft.target_init.fc == "top_layer")
     engine = Engine(parts.draft, cfg.deepspeed, cfg.train, total)
     state = {"step": 0, "epoch": 0, "batch": 0, "tokens": 0, "wandb_id": None}
     root = out_dir / "checkpoints"
@@ -148,7 +169,7 @@ def train(cfg, config_dict: dict | None = None) -> dict:
                                     tok_s=f"{logged['tokens_per_s']:.0f}", refresh=False)
             if cfg.eval.every and state["step"] % cfg.eval.every == 0 and state["step"] < total:
                 if rank == 0:
-                    tracker.log(state["step"], evaluate(cfg, parts, engine.module))
+                    tracker.log(state["step"], evaluate(cfg, parts, engine.module, agreement))
                 engine.barrier()
             if cfg.train.save_every and state["step"] % cfg.train.save_every == 0 and state["step"] < total:
                 save()
@@ -162,7 +183,7 @@ def train(cfg, config_dict: dict | None = None) -> dict:
     save()
     final = {}
     if rank == 0:
-        final = evaluate(cfg, parts, engine.module) if parts.eval_prompts else {}
+        final = evaluate(cfg, parts, engine.module, agreement)
         tracker.log(state["step"], final)
         say(f"done: step {state['step']}, checkpoint {ckpt.latest_checkpoint(root)}; " +
             ", ".join(f"{k} {v:.3f}" for k, v in final.items()))

@@ -19,6 +19,7 @@ from ..errors import LyannaError
 from ..hotvocab.artifact import load_hot_vocab, read_manifest
 from ..models.config import DraftConfig
 from ..models.draft_head import DraftHead
+from ..models.init import init_from_target
 from ..target.fingerprint import tokenizer_fingerprint, vocab_size
 from ..target.loading import load_tokenizer
 from ..target.model import load_target_model, target_fingerprint
@@ -64,16 +65,24 @@ def hot_vocabulary(cfg, tokenizer, out_dir: Path, is_main: bool) -> torch.Tensor
     return load_hot_vocab(path, size=size if path.is_dir() else None, expect_fingerprint=fingerprint).hot_ids
 
 
-def feature_cache(cfg, samples: CorpusSamples, target, tokenizer, layer_ids, out_dir: Path, rank: int, world: int):
-    """The run's feature cache: each rank builds its shards, then everyone opens the whole."""
+def feature_cache(cfg, samples: CorpusSamples, target, tokenizer, layer_ids, out_dir: Path, rank: int, world: int,
+                  heldout_from: int | None = None):
+    """The run's feature cache (or, with ``heldout_from``, the held-out one beside it):
+    each rank builds its shards, then everyone opens the whole."""
     from ..data.feature_cache import FeatureCache
     from ..data.feature_cache_writer import CacheSettings, build_feature_cache
+    from .heldout import StreamSlice
 
     root = Path(cfg.data.cache_dir) if cfg.data.cache_dir else out_dir / "features"
+    max_samples, source = cfg.data.max_samples, {"corpus": list(cfg.data.corpus)}
+    if heldout_from is not None:
+        root = root.with_name(root.name + "-heldout")
+        samples, max_samples = StreamSlice(samples, heldout_from, cfg.eval.heldout_samples), None
+        source["heldout_from"] = heldout_from
     settings = CacheSettings(max_length=cfg.data.max_length, shard_tokens=cfg.data.shard_tokens,
                              batch_tokens=cfg.data.batch_tokens, teacher_summary=cfg.data.teacher_summary)
     build_feature_cache(samples, target, tokenizer, root, layer_ids=layer_ids, settings=settings, shard=(rank, world),
-                        max_samples=cfg.data.max_samples, source={"corpus": list(cfg.data.corpus)},
+                        max_samples=max_samples, source=source,
                         progress=rank == 0, say=print if rank == 0 else (lambda *_: None))
     _barrier()
     return FeatureCache(root, target_fingerprint(target), tokenizer_fingerprint(tokenizer), layer_ids)
@@ -110,6 +119,8 @@ def build_parts(cfg, out_dir: Path, is_main: bool) -> RunParts:
 
     tokenizer = load_tokenizer(cfg.target.name)
     target = load_target_model(cfg.target.name, dtype=getattr(torch, cfg.target.dtype))
+    if cfg.draft.init_from:  # fine-tune an exported or imported head
+        return parts_from_export(cfg, tokenizer, target, out_dir, is_main)
     layers = target.config.num_hidden_layers
     layer_ids = check_layer_ids(cfg.target.aux_layers or default_layer_ids(layers), layers)
     hot_ids = hot_vocabulary(cfg, tokenizer, out_dir, is_main)
@@ -118,6 +129,22 @@ def build_parts(cfg, out_dir: Path, is_main: bool) -> RunParts:
                                         aux_layer_ids=tuple(layer_ids))
     torch.manual_seed(cfg.train.seed)
     draft = DraftHead(draft_cfg, hot_ids, target.get_input_embeddings().weight)
+    init = d.target_init
+    init_from_target(draft, target, lm_head=init.lm_head, layer=init.layer, fc=init.fc)
+    if d.freeze_lm_head:
+        draft.lm_head.weight.requires_grad_(False)
+    lm_weight = target.get_output_embeddings().weight.detach()
+    return RunParts(tokenizer, target, hot_ids, draft, lm_weight, layer_ids, eval_prompts(cfg, tokenizer))
+
+
+def parts_from_export(cfg, tokenizer, target, out_dir: Path, is_main: bool) -> RunParts:
+    from .init_from import draft_from_export
+
+    draft, hot_ids, layer_ids = draft_from_export(
+        cfg, target, tokenizer, lambda: hot_vocabulary(cfg, tokenizer, out_dir, is_main),
+        say=print if is_main else (lambda *_: None))
+    if cfg.draft.freeze_lm_head:
+        draft.lm_head.weight.requires_grad_(False)
     lm_weight = target.get_output_embeddings().weight.detach()
     return RunParts(tokenizer, target, hot_ids, draft, lm_weight, layer_ids, eval_prompts(cfg, tokenizer))
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from ..data.features import teacher_summary
-from ..losses.kd import hidden_regression, hot_mask, kl_to_teacher, teacher_from_summary
+from ..losses.kd import hidden_regression, hot_mask, kl_to_teacher, teacher_from_summary, tv_to_teacher
 
 
 def teacher_logprobs(last: torch.Tensor, lm_weight: torch.Tensor, hot_ids: torch.Tensor, mode: str,
@@ -35,6 +35,8 @@ def distill_loss(draft, batch: dict, lm_weight: torch.Tensor, loss_cfg) -> tuple
     (weighted loss, metrics as 0-d tensors; nothing is synced to the host here)."""
     aux, last = batch["aux"].float(), batch["last"].float()
     ids, loss_mask, valid = batch["input_ids"], batch["loss_mask"], batch["valid"]
+    if loss_cfg.positions == "all":  # user turns too: more signal from the same target forwards
+        loss_mask = valid
     t = ids.shape[1]
     steps = min(loss_cfg.ttt_steps, max(t - 2, 1))
     outs = draft.forward_unrolled(aux, ids, steps, valid)
@@ -52,6 +54,8 @@ def distill_loss(draft, batch: dict, lm_weight: torch.Tensor, loss_cfg) -> tuple
         count = mask.sum()
         kl = kl_to_teacher(logits, target).sum() / count.clamp(min=1)
         step_loss = kl
+        if loss_cfg.tv_weight > 0:
+            step_loss = step_loss + loss_cfg.tv_weight * tv_to_teacher(logits, target).sum() / count.clamp(min=1)
         if loss_cfg.hidden_weight > 0:
             reg = hidden_regression(out.hidden[:, :n][mask], last[:, 1 + j:1 + j + n][mask])
             step_loss = step_loss + loss_cfg.hidden_weight * reg.sum() / count.clamp(min=1)

@@ -112,6 +112,19 @@ def test_eagle3_round_trip_with_the_pool_off(tmp_path, target, tok_fp):
         assert torch.equal(a.logits, b.logits)
 
 
+@pytest.mark.parametrize("fmt", ["lyanna", "eagle3"])
+def test_the_feature_scale_is_folded_into_fc_and_norm_before_residual_is_kept(tmp_path, target, tok_fp, fmt):
+    draft = make_draft(target, pool=False, aux_scale=True, norm_before_residual=True)
+    with torch.no_grad():
+        draft.aux_scale.copy_(torch.rand(3 * H) * 0.1 + 0.01)
+    out = export(tmp_path, draft, target, tok_fp, fmt)
+    loaded, _ = load_exported(out, target)
+    assert not loaded.cfg.aux_scale and "aux_scale" not in load_file(out / F.WEIGHTS_FILE)
+    assert loaded.cfg.norm_before_residual and json.loads((out / F.CONFIG_FILE).read_text())["norm_before_residual"]
+    for a, b in zip(logits(draft), logits(loaded)):
+        torch.testing.assert_close(a.logits, b.logits, rtol=1e-4, atol=1e-5)
+
+
 def test_eagle3_drops_the_other_logit_and_keeps_the_rest(tmp_path, target, tok_fp):
     draft = make_draft(target, pool=False, other_bucket=True)
     loaded, manifest = load_exported(export(tmp_path, draft, target, tok_fp, "eagle3"), target)
@@ -122,7 +135,11 @@ def test_eagle3_drops_the_other_logit_and_keeps_the_rest(tmp_path, target, tok_f
 
 def test_eagle3_layout_is_what_sglang_and_vllm_read(tmp_path, target, tok_fp):
     draft = make_draft(target, pool=True)
-    out = export(tmp_path, draft, target, tok_fp, "eagle3", speculators=True, verifier="org/tiny", dtype="bfloat16")
+    target.save_pretrained(tmp_path / "verifier")
+    out = export(tmp_path, draft, target, tok_fp, "eagle3", speculators=True, verifier=str(tmp_path / "verifier"),
+                 dtype="bfloat16")
+    assert sorted(p.name for p in out.glob("*.safetensors")) == [F.WEIGHTS_FILE]  # engines load every one
+    assert sorted(p.name for p in (out / F.SPECULATORS_DIR).glob("*.safetensors")) == [F.WEIGHTS_FILE]
     tensors = load_file(str(out / F.WEIGHTS_FILE))
     assert set(tensors) == EAGLE3_TENSORS
     assert tensors["d2t"].dtype == torch.int64 and tensors["t2d"].dtype == torch.bool and tensors["t2d"].shape == (V,)
@@ -136,13 +153,58 @@ def test_eagle3_layout_is_what_sglang_and_vllm_read(tmp_path, target, tok_fp):
     assert config["eagle_aux_hidden_state_layer_ids"] == [1, 2, 3]  # vLLM: captured before layer i
     spec = json.loads((out / F.SPECULATORS_DIR / F.CONFIG_FILE).read_text())
     assert spec["speculators_model_type"] == "eagle3" and spec["eagle_aux_hidden_state_layer_ids"] == [1, 2, 3]
-    assert spec["speculators_config"]["verifier"]["name_or_path"] == "org/tiny"
+    verifier = {"name_or_path": str((tmp_path / "verifier").resolve()), "architectures": ["LlamaForCausalLM"]}
+    assert spec["speculators_config"]["verifier"] == verifier
     assert spec["transformer_layer_config"]["num_hidden_layers"] == 1 and spec["norm_before_residual"] is False
-    assert (out / F.SPECULATORS_DIR / F.WEIGHTS_FILE).read_bytes() == (out / F.WEIGHTS_FILE).read_bytes()
+    spec_tensors = load_file(str(out / F.SPECULATORS_DIR / F.WEIGHTS_FILE))  # speculators names the layer layers.0
+    assert set(spec_tensors) == {n.replace("midlayer.", "layers.0.") for n in EAGLE3_TENSORS} | {"embed_tokens.weight"}
+    assert torch.equal(spec_tensors["embed_tokens.weight"], target.model.embed_tokens.weight.to(torch.bfloat16))
+    assert torch.equal(spec_tensors["layers.0.mlp.up_proj.weight"], tensors["midlayer.mlp.up_proj.weight"])
     manifest = json.loads((out / F.MANIFEST_FILE).read_text())
-    assert manifest["dropped"] == ["state pool", "alpha-gate"]
+    assert manifest["dropped"] == ["state pool", "alpha-gate"] and manifest["verifier"] == verifier
+    assert manifest["files"]["hot_vocab"] == "lyanna/hot_vocab.safetensors"
+    assert manifest["serving"]["vllm_speculators"] == f"vllm serve {out.resolve() / F.SPECULATORS_DIR}"
+    assert manifest["serving"]["sglang"].startswith(f"python -m sglang.launch_server --model-path {verifier['name_or_path']}")
+    assert "speculators_convert" not in manifest["serving"]  # that needs --with-embeddings
+
+
+def test_with_embeddings_the_eagle3_folder_carries_them_and_the_converter_command(tmp_path, target, tok_fp):
+    draft = make_draft(target, pool=False)
+    target.save_pretrained(tmp_path / "verifier")
+    out = export(tmp_path, draft, target, tok_fp, "eagle3", embeddings=True, verifier=str(tmp_path / "verifier"))
+    assert torch.equal(load_file(str(out / F.WEIGHTS_FILE))[F.EMBED_TOKENS], target.model.embed_tokens.weight)
+    loaded, manifest = load_exported(out, target)
+    for a, b in zip(logits(draft), logits(loaded)):
+        assert torch.equal(a.logits, b.logits)
+    assert "--algorithm-kwargs '{\"eagle_aux_hidden_state_layer_ids\": [1, 2, 3]}'" in \
+        manifest["serving"]["speculators_convert"]
+    with pytest.raises(LyannaError, match="eagle3 format"):
+        export(tmp_path, draft, target, tok_fp, "lyanna", name="lyanna", embeddings=True)
     assert manifest["aux_layers"] == {"ids": [0, 1, 2], "convention": F.AUX_CONVENTION,
                                       "sglang": [0, 1, 2], "vllm": [1, 2, 3]}
+
+
+def test_full_vocabulary_speculators_folder_has_no_map_and_rows_in_token_order(tmp_path, target, tok_fp):
+    import dataclasses
+
+    cfg = dataclasses.replace(make_draft(target, pool=False).cfg, draft_vocab_size=V)
+    draft = DraftHead(cfg, torch.randperm(V), target.model.embed_tokens.weight).eval()  # hot ids: a permutation
+    target.save_pretrained(tmp_path / "verifier")
+    out = export(tmp_path, draft, target, tok_fp, "eagle3", speculators=True, verifier=str(tmp_path / "verifier"))
+    spec = load_file(str(out / F.SPECULATORS_DIR / F.WEIGHTS_FILE))
+    assert "d2t" not in spec and "t2d" not in spec
+    rows = draft.lm_head.weight.detach()
+    assert torch.equal(spec["lm_head.weight"][draft.hot_ids], rows)  # token hot_ids[r] scored by row r
+
+
+@pytest.mark.parametrize("verifier,message", [(None, "cannot locate the verifier for target tiny"),
+                                              ("org/not-cached", "cannot read the architectures")])
+def test_speculators_folder_needs_a_verifier_engines_can_open(tmp_path, target, tok_fp, verifier, message):
+    with pytest.raises(LyannaError, match=message) as err:
+        export(tmp_path, make_draft(target, pool=False), target, tok_fp, "eagle3", speculators=True, verifier=verifier)
+    assert "--verifier" in str(err.value) and not (tmp_path / "out").exists()
+    plain = export(tmp_path, make_draft(target, pool=False), target, tok_fp, "eagle3", name="plain")
+    assert json.loads((plain / F.MANIFEST_FILE).read_text())["verifier"] is None  # recorded only when found
 
 
 def test_manifest_describes_the_export(tmp_path, target, tok_fp):

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from lyanna_train.losses.kd import hidden_regression, kl_to_teacher, teacher_targets
+from lyanna_train.losses.kd import hidden_regression, kl_to_teacher, teacher_targets, tv_to_teacher
 
 
 def _plain_kl(p: list[float], q_logits: list[float]) -> float:
@@ -72,3 +72,32 @@ def test_teacher_from_the_cached_summary_equals_the_plain_definition(mode):
         torch.testing.assert_close(got.reshape(14, -1), full, atol=1e-5, rtol=1e-5)
         assert torch.equal(usable.reshape(-1), usable_full)
     assert not usable_full.all() or mode == "other"  # some top-1 fall outside the hot ids
+
+
+def test_total_variation_is_one_minus_the_acceptance_probability():
+    teacher = torch.log(torch.tensor([[0.5, 0.3, 0.2], [1.0, 1e-30, 1e-30]]))
+    draft_logits = torch.log(torch.tensor([[0.2, 0.3, 0.5], [1e-30, 1.0, 1e-30]]))
+    tv = tv_to_teacher(draft_logits, teacher)
+    # 1 - sum(min(p, q)): what rejection sampling accepts
+    torch.testing.assert_close(tv, torch.tensor([1 - (0.2 + 0.3 + 0.2), 1.0]), rtol=1e-5, atol=1e-6)
+    assert float(tv_to_teacher(teacher, teacher).abs().max()) < 1e-6
+    logits = torch.randn(4, 7, requires_grad=True)
+    tv_to_teacher(logits, torch.log_softmax(torch.randn(4, 7), -1)).sum().backward()
+    assert logits.grad.abs().sum() > 0
+
+
+def test_the_summary_of_a_bf16_lm_head_is_close_to_fp32():
+    """A bf16 target's summary uses a bf16 product: logsumexp within rounding, and the
+    top-1 the same wherever the best logit leads the second by more than the rounding."""
+    from lyanna_train.data.features import teacher_summary
+
+    torch.manual_seed(0)
+    last, weight = torch.randn(300, 64), torch.randn(5000, 64) * 0.5
+    top1, lse = teacher_summary(last, weight)
+    top1_bf, lse_bf = teacher_summary(last.bfloat16(), weight.bfloat16())
+    assert lse_bf.dtype == torch.float32
+    torch.testing.assert_close(lse_bf, lse, atol=0.15, rtol=0.02)
+    logits = last @ weight.T
+    gap = logits.topk(2).values.diff(dim=-1).abs().squeeze(-1)
+    clear = gap > 0.5
+    assert bool(clear.any()) and torch.equal(top1_bf[clear], top1[clear])

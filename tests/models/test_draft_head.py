@@ -84,11 +84,19 @@ def test_causal_window_retrieval_matches_brute_force():
                                           [True, True, False, False], [False, True, True, False]]
 
 
-@pytest.mark.parametrize("pool", ["on", "off"])
-def test_training_forward_equals_step_by_step_serving(pool):
+@pytest.mark.parametrize("pool,variant", [("on", "plain"), ("off", "plain"), ("on", "normed")])
+def test_training_forward_equals_step_by_step_serving(pool, variant):
     """Chain drafting with a KV cache and a ring-buffer pool gives the training logits,
-    for every unroll step (training-time test included) and across the pool window."""
-    head = make_head(pool_threshold=0.0 if pool == "on" else 0.85, pool_size=128 if pool == "on" else 0).eval()
+    for every unroll step (training-time test included) and across the pool window;
+    also with the normed residual and a feature scale before fc."""
+    normed = (dict(norm_before_residual=True, aux_scale=True, norm_before_fc=True, norm_output=True)
+              if variant == "normed" else {})
+    head = make_head(pool_threshold=0.0 if pool == "on" else 0.85, pool_size=128 if pool == "on" else 0, **normed).eval()
+    if normed:
+        with torch.no_grad():
+            head.aux_scale.uniform_(0.1, 2.0)
+            head.input_norm.weight.uniform_(0.5, 2.0)
+            head.norm.weight.uniform_(0.5, 2.0)
     torch.manual_seed(2)
     b, t, steps = 2, 140, 3
     aux, ids = torch.randn(b, t, 3 * H), torch.randint(0, V, (b, t))
@@ -98,13 +106,14 @@ def test_training_forward_equals_step_by_step_serving(pool):
         keys, values = torch.zeros(b, 2, t + steps, 8), torch.zeros(b, 2, t + steps, 8)  # preallocated, written in place
         for anchor in range(t - steps - 1):
             pos = torch.full((b, 1), anchor)
-            current = head.forward_cached(head.fc(aux[:, anchor:anchor + 1]), ids[:, anchor + 1:anchor + 2], pos,
-                                          keys, values, anchor, torch.ones(b, 1, 1, anchor + 1, dtype=torch.bool))
+            current = head.forward_cached(head.fuse_features(aux[:, anchor:anchor + 1]), ids[:, anchor + 1:anchor + 2],
+                                          pos, keys, values, anchor, torch.ones(b, 1, 1, anchor + 1, dtype=torch.bool))
             state = current
             for j in range(steps):
                 if j:  # the chain's keys go to the slots after the anchor's, overwritten by the next anchor
-                    current = head.forward_cached(state, ids[:, anchor + 1 + j:anchor + 2 + j], pos + j, keys, values,
-                                                  anchor + j, torch.ones(b, 1, 1, anchor + j + 1, dtype=torch.bool))
+                    current = head.forward_cached(head.carry(state), ids[:, anchor + 1 + j:anchor + 2 + j], pos + j,
+                                                  keys, values, anchor + j,
+                                                  torch.ones(b, 1, 1, anchor + j + 1, dtype=torch.bool))
                 if head.gate is not None:
                     sim, retrieved = pool_buf.retrieve(current, pos)
                     state, _, _ = head.pool_fuse(current, sim, retrieved)

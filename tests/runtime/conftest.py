@@ -32,14 +32,22 @@ def tiny_target():
     return model
 
 
-def make_draft(target, pool: bool, draft_vocab: int = 64, seed: int = 0) -> DraftHead:
+def make_draft(target, pool: bool, draft_vocab: int = 64, seed: int = 0, **variant) -> DraftHead:
+    """``variant``: DraftConfig switches (norm_before_residual, norm_before_fc, fc_norm, norm_output, aux_scale)."""
     torch.manual_seed(seed)
     # Threshold 0 when the pool is on: random states rarely reach 0.85, and fusion must be exercised.
     cfg = DraftConfig(target_hidden_size=H, vocab_size=V, draft_vocab_size=draft_vocab, hidden_size=H,
                       intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                      pool_size=128 if pool else 0, pool_threshold=0.0)
+                      pool_size=128 if pool else 0, pool_threshold=0.0, **variant)
     hot = torch.randperm(V)[:draft_vocab]
-    return DraftHead(cfg, hot, target.model.embed_tokens.weight).eval()
+    draft = DraftHead(cfg, hot, target.model.embed_tokens.weight).eval()
+    with torch.no_grad():  # norms away from 1, so a missing or doubled norm shows
+        for module in (draft.norm, draft.input_norm):
+            if module is not None:
+                module.weight.uniform_(0.5, 2.0)
+        if cfg.aux_scale:
+            draft.aux_scale.uniform_(0.1, 2.0)
+    return draft
 
 
 def greedy_reference(target, prompt: list[int], max_new_tokens: int, eos=None) -> list[int]:

@@ -155,12 +155,18 @@ def test_tree_verify_scores_every_node_after_its_own_path(tiny_target):
         torch.testing.assert_close(logits[0], tiny_target(seq, use_cache=False).logits[0, -2:], atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("pool", [True, False], ids=["pool", "no-pool"])
-def test_draft_steps_equal_the_training_forward(tiny_target, pool, monkeypatch):
+NORMED = dict(norm_before_residual=True, norm_before_fc=True, norm_output=True, aux_scale=True)
+
+
+@pytest.mark.parametrize("pool,variant", [(True, {}), (False, {}), (True, NORMED),
+                                          (False, dict(fc_norm=True, norm_output=True))],
+                         ids=["pool", "no-pool", "pool-normed", "no-pool-fc-norm"])
+def test_draft_steps_equal_the_training_forward(tiny_target, pool, variant, monkeypatch):
     """Chunked step 0 (prefill, then accepted runs of any length, past the 128-state pool
     window) followed by chain drafting gives, at every step, the logits forward_unrolled
-    trains on when the drafted tokens are taken as the sequence."""
-    draft, depth = make_draft(tiny_target, pool), 5
+    trains on when the drafted tokens are taken as the sequence (also for the EAGLE-3
+    variants: normed residual, normed features, normed carried state, feature scale)."""
+    draft, depth = make_draft(tiny_target, pool, **variant), 5
     torch.manual_seed(3)
     chunks = (131, 1, 4, 2, 1, 5) + (1,) * 24 + (3,) * 4  # many anchors near the window's edge
     total = sum(chunks) + depth + 1

@@ -69,3 +69,13 @@ def test_launcher_local_rank_is_taken_out_of_argv(monkeypatch):
 
     assert os.environ["LOCAL_RANK"] == "1"
     assert take_local_rank(["--local_rank", "0", "a=b"]) == ["a=b"] and os.environ["LOCAL_RANK"] == "0"
+
+
+def test_first_tokens_keeps_whole_leading_shards():
+    from lyanna_train.training.batches import first_tokens
+
+    lengths = [[3, 4], [5], [2, 2], [9]]
+    assert first_tokens(lengths, None) == lengths
+    assert first_tokens(lengths, 12) == [[3, 4], [5], [], []]
+    assert first_tokens(lengths, 16) == [[3, 4], [5], [2, 2], []]
+    assert first_tokens(lengths, 1) == [[3, 4], [], [], []]  # at least one shard

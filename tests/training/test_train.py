@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from lyanna_train.errors import LyannaError
 from lyanna_train.training.loop import train
@@ -151,3 +152,31 @@ def test_unknown_autocast_dtype_is_one_line(tmp_path, tiny_target_dir, tiny_corp
     cfg = compose(tiny_overrides(tiny_target_dir, tiny_corpus, tmp_path / "out", *TINY, "train.autocast=int8"))
     with pytest.raises(LyannaError, match="train.autocast must be"):
         train(cfg)
+
+
+def test_heldout_agreement_and_the_issue_11_levers_in_a_run(tmp_path, tiny_target_dir, tiny_corpus):
+    """Samples after the training range are cached apart and scored teacher-forced; the
+    initialisation from the target, TV loss and all-position training run end to end."""
+    out = tmp_path / "levers"
+    result = train(compose(tiny_overrides(
+        tiny_target_dir, tiny_corpus, out, *TINY, "train.max_steps=2", "eval.num_prompts=0", "data.max_samples=18",
+        "eval.heldout_samples=6", "eval.agreement_steps=2", "draft.target_init.lm_head=true",
+        "draft.target_init.layer=3", "draft.target_init.fc=top_layer", "draft.freeze_lm_head=true",
+        "loss.tv_weight=0.5", "loss.positions=all")))
+    held = json.loads((out / "features-heldout" / "manifest.json").read_text())
+    train_cache = json.loads((out / "features" / "manifest.json").read_text())
+    assert held["totals"]["samples"] == 6 and held["source"]["heldout_from"] == 18
+    assert train_cache["totals"]["samples"] <= 18
+    for key in ("eval/heldout_top1_step0", "eval/heldout_top1_step1", "eval/train_top1_step0", "eval/top1_gap",
+                "eval/heldout_in_hot"):
+        assert key in result and 0 <= abs(result[key]) <= 1, key
+    assert result["eval/top1_gap"] == pytest.approx(result["eval/train_top1_step0"] - result["eval/heldout_top1_step0"])
+    from safetensors.torch import load_file
+
+    from lyanna_train.training.checkpoint import latest_checkpoint
+
+    weights = load_file(latest_checkpoint(out / "checkpoints") / "model.safetensors")
+    target = load_file(next(tiny_target_dir.glob("*.safetensors")))
+    emb = target.get("model.embed_tokens.weight")
+    hot = weights["d2t"] + torch.arange(len(weights["d2t"]))
+    torch.testing.assert_close(weights["lm_head.weight"], emb[hot])  # frozen at its initialisation

@@ -1,0 +1,81 @@
+"""Held-out samples and the agreement figures measured on them during training.
+
+The training accuracy the loop logs is a running average over batches the head is
+fitting, so it flatters the head. The samples that follow the training range in the
+corpus stream are never trained on: their features are cached once (small) and the
+head's teacher-forced top-1 agreement is measured there and, the same way, on as many
+training samples; the difference is the over-fit gap.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+from ..data.feature_cache import FeatureCache
+from ..evaluation.agreement import top1_agreement
+from .batches import BatchRef, CachedBatches, cache_lengths, group_by_length
+
+
+class StreamSlice:
+    """Samples ``start .. start + count - 1`` of a re-iterable sample stream, re-iterable."""
+
+    def __init__(self, samples, start: int, count: int):
+        self.samples, self.start, self.count = samples, start, count
+
+    def __iter__(self):
+        return itertools.islice(iter(self.samples), self.start, self.start + self.count)
+
+
+def heldout_start(cfg, samples, say=print) -> int | None:
+    """Where the held-out samples start in the stream, or None when nothing is held out
+    (switched off, the whole corpus is trained on, or the corpus ends before that point)."""
+    if cfg.eval.heldout_samples <= 0:
+        return None
+    start = cfg.eval.heldout_from if cfg.eval.heldout_from is not None else cfg.data.max_samples
+    if start is None:
+        say("no held-out agreement: data.max_samples is null (every sample trains); set eval.heldout_from")
+        return None
+    if next(iter(StreamSlice(samples, start, 1)), None) is None:
+        say(f"no held-out agreement: the corpus has no sample after position {start}")
+        return None
+    return start
+
+
+def first_samples(cache: FeatureCache, count: int, max_tokens: int) -> list[BatchRef]:
+    """Batches over the first ``count`` samples of ``cache`` (length-grouped, fixed order)."""
+    refs, left = [], count
+    for shard, shard_lengths in enumerate(cache_lengths(cache)):
+        rows = list(range(min(left, len(shard_lengths))))
+        for group in group_by_length([shard_lengths[r] for r in rows], max_tokens, seed=shard):
+            refs.append(BatchRef(shard, tuple(rows[i] for i in group)))
+        left -= len(rows)
+        if left <= 0:
+            break
+    return refs
+
+
+@dataclass
+class AgreementSets:
+    """Where the agreement is measured: batches of the held-out cache and of as many training samples."""
+
+    heldout: FeatureCache
+    train: FeatureCache
+    heldout_refs: list[BatchRef]
+    train_refs: list[BatchRef]
+
+    @classmethod
+    def of(cls, heldout: FeatureCache, train: FeatureCache, max_tokens: int) -> "AgreementSets":
+        n = heldout.num_samples
+        return cls(heldout, train, first_samples(heldout, n, max_tokens), first_samples(train, n, max_tokens))
+
+    def metrics(self, draft, steps: int) -> dict:
+        """eval/heldout_top1_step{j}, eval/train_top1_step{j}, eval/top1_gap, eval/heldout_in_hot."""
+        held = top1_agreement(draft, map(CachedBatches(self.heldout), self.heldout_refs), steps)
+        seen = top1_agreement(draft, map(CachedBatches(self.train), self.train_refs), steps)
+        out = {f"eval/heldout_top1_step{j}": held[f"top1_step{j}"] for j in range(steps)}
+        out.update({f"eval/train_top1_step{j}": seen[f"top1_step{j}"] for j in range(steps)})
+        out["eval/top1_gap"] = seen["top1_step0"] - held["top1_step0"]
+        out["eval/heldout_in_hot"] = held["in_hot"]
+        out["eval/heldout_positions"] = held["positions"]
+        return out
