@@ -26,8 +26,8 @@ from typing import Callable, Sequence
 import torch
 from transformers import DynamicCache
 
-from ..target.capture import LayerCapture
 from ..models.draft_head import DraftHead
+from ..target.capture import LayerCapture
 from .cost import POOL, AcceptanceEstimates, VerifyCost, best_count
 from .draft_step import DraftState, draft_extend
 from .draft_tree import TreeShape, draft_tree
