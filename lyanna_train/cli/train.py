@@ -1,6 +1,7 @@
 """``lyanna-train +recipe=NAME [overrides]``: distil a Lyanna draft head (Hydra + DeepSpeed).
 
-Runs as one process or under the DeepSpeed launcher, which appends ``--local_rank=N``:
+``--plan`` prints what the run would cost instead (``lyanna-plan``). Runs as one process
+or under the DeepSpeed launcher, which appends ``--local_rank=N``:
 that flag is taken out of the arguments (and put in ``LOCAL_RANK``) before Hydra
 parses them. Recipes in ``recipes/`` are registered as the ``recipe`` config group.
 """
@@ -58,6 +59,10 @@ def run(cfg) -> None:
 def main() -> None:
     import hydra
 
+    if "--plan" in sys.argv[1:]:  # the same config, planned instead of run (lyanna-plan)
+        from .plan import main as plan
+
+        raise SystemExit(plan([a for a in sys.argv[1:] if a != "--plan"]))
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     sys.argv = [sys.argv[0], *take_local_rank(sys.argv[1:])]
