@@ -120,7 +120,11 @@ def main() -> None:
     p.add_argument("--context", type=int, default=256)
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--threads", type=int, help="torch threads (default: torch's choice); a busy machine is "
+                   "measured more steadily on 1")
     args = p.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
 
     from lyanna_train.target.model import load_target_model
 

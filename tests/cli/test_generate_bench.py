@@ -292,23 +292,23 @@ def test_summary_line_reports_speed_tau_and_histogram():
 
 
 @pytest.mark.slow
-def test_bench_on_smollm2_is_lossless(tmp_path, smollm2_tokenizer, capsys):
+def test_bench_on_smollm2_is_lossless_with_accepted_draft_tokens(tmp_path, smollm2_fitted, smollm2_tokenizer, capsys):
+    """The CLI end to end on the real target, with a head whose draft tokens are accepted
+    (``smollm2_fitted``) on the prompts it was fitted to: the lossless verdict covers
+    verified and kept draft nodes."""
     from lyanna_train.export.writer import export_checkpoint
-    from lyanna_train.models.config import DraftConfig
-    from lyanna_train.models.draft_head import DraftHead
-    from lyanna_train.target.model import load_target_model
     from lyanna_train.training.checkpoint import write_draft_weights
 
-    target = load_target_model("smollm2")
-    torch.manual_seed(0)
-    cfg = DraftConfig.from_target(target.config, draft_vocab_size=2048, pool_size=128, pool_threshold=0.0)
-    draft = DraftHead(cfg, torch.randperm(target.config.vocab_size)[:2048], target.get_input_embeddings().weight)
     ckpt = tmp_path / "run" / "checkpoints" / "step-00000001"
     ckpt.mkdir(parents=True)
-    write_draft_weights(ckpt, draft.eval(), {"target": "smollm2"})
-    export_checkpoint(tmp_path / "run", tmp_path / "export", target=target, tokenizer=smollm2_tokenizer,
-                      say=lambda *_: None)
-    argv = ["--draft", str(tmp_path / "export"), "--num-prompts", "2", "--turns", "1", "--max-new-tokens", "16",
-            "--out", str(tmp_path / "bench")]
+    write_draft_weights(ckpt, smollm2_fitted.draft, {"target": "smollm2", "layer_ids": [1, 14, 26]})
+    export_checkpoint(tmp_path / "run", tmp_path / "export", target=smollm2_fitted.target,
+                      tokenizer=smollm2_tokenizer, say=lambda *_: None)
+    prompts = tmp_path / "fitted.txt"
+    prompts.write_text("\n\n".join(smollm2_tokenizer.decode(p) for p in smollm2_fitted.prompts) + "\n")
+    argv = ["--draft", str(tmp_path / "export"), "--prompts", str(prompts), "--turns", "1", "--no-chat",
+            "--max-new-tokens", "24", "--decode", "chain", "--methods", "target,lyanna", "--out", str(tmp_path / "bench")]
     assert bench_main(argv) == 0
     assert "lossless: yes (2/2 prompts identical)" in capsys.readouterr().out
+    lyanna = json.loads((tmp_path / "bench" / "summary.json").read_text())["methods"]["lyanna"]
+    assert lyanna["accept_rate"][0] > 0.5 and lyanna["tau"] > 2  # draft tokens verified and kept
