@@ -95,10 +95,6 @@ class Engine:
         return self.engine.module
 
     @property
-    def is_main(self) -> bool:
-        return self.rank == 0
-
-    @property
     def lr(self) -> float:
         return self.optimizer.param_groups[0]["lr"]
 
