@@ -31,7 +31,11 @@ def train(out: Path, size: int, common: list[str], extra: list[str]) -> dict:
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     final = {k: v for r in rows if "eval/mean_tau_verify" in r for k, v in r.items()}
     seen = max(r.get("tokens_seen", 0) for r in rows)
-    return {**final, "size": size, "tokens_seen": seen, "minutes": (time.perf_counter() - start) / 60}
+    import yaml
+
+    epochs = yaml.safe_load((run / "config.yaml").read_text())["train"]["epochs"]  # whole shards: fewer than asked
+    return {**final, "size": size, "tokens": round(seen / epochs), "tokens_seen": seen,
+            "minutes": (time.perf_counter() - start) / 60}
 
 
 def run_point(run: Path) -> dict:
@@ -40,7 +44,7 @@ def run_point(run: Path) -> dict:
     final = {k: v for r in rows if "eval/mean_tau_verify" in r for k, v in r.items()}
     manifest = json.loads((run / "features" / "manifest.json").read_text())
     size = manifest["totals"]["tokens"]
-    return {**final, "size": size, "tokens_seen": max(r.get("tokens_seen", 0) for r in rows), "minutes": float("nan"),
+    return {**final, "size": size, "tokens": size, "tokens_seen": max(r.get("tokens_seen", 0) for r in rows), "minutes": float("nan"),
             "run": str(run)}
 
 
@@ -50,7 +54,7 @@ def plot(results: list[dict], path: Path, recipe_tokens: int | None) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    xs = [r["size"] for r in results]
+    xs = [r.get("tokens", r["size"]) for r in results]
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
     ax1.plot(xs, [r["eval/mean_tau_verify"] for r in results], "o-")
     ax1.set_ylabel("chain τ (depth 5, MT-Bench)")
@@ -111,7 +115,7 @@ def main() -> None:
     print("\n| training tokens | chain τ | accept ≥1 | held-out top-1 step 0 | step 1 | step 2 | train top-1 | gap | minutes |")
     print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in ordered:
-        print(f"| {r['size']:,} | {r['eval/mean_tau_verify']:.3f} | {r['eval/accept_rate_d1']:.3f} | "
+        print(f"| {r.get('tokens', r['size']):,} | {r['eval/mean_tau_verify']:.3f} | {r['eval/accept_rate_d1']:.3f} | "
               + " | ".join(f"{r.get(f'eval/heldout_top1_step{j}', float('nan')):.3f}" for j in range(3))
               + f" | {r.get('eval/train_top1_step0', float('nan')):.3f} | {r.get('eval/top1_gap', float('nan')):.3f}"
               + f" | {r['minutes']:.1f} |")
