@@ -148,22 +148,31 @@ def propose(draft: DraftHead | None, session: Session, settings: DecodeSettings)
     estimates = session.estimates
     if draft is not None:
         estimates.calibrate_draft(tree, draft_tree(draft, session.draft_state, tree, settings.tree))
-    lookup = settings.lookup
+    add_free_candidates(tree, session.context, session.length, settings.lookup, estimates,
+                        session.draft_state if draft is not None else None,
+                        draft.cfg.pool_threshold if draft is not None else 0.0)
+    if settings.verify == "auto":
+        tree = tree.best(best_count(sorted(tree.probs[1:], reverse=True), session.cost))
+    return tree
+
+
+def add_free_candidates(tree: TokenTree, context: torch.Tensor, length: int, lookup: LookupSettings,
+                        estimates: AcceptanceEstimates, draft_state=None, pool_threshold: float = 0.0) -> None:
+    """Add prompt-lookup and pool continuations below the root of ``tree``, each with its
+    learned acceptance estimate. context [≥ length]: the accepted ids; ``draft_state``
+    (a :class:`.draft_step.DraftState`, or one row of a batch's) gives the pool, None: no
+    pool candidates."""
     if lookup.max_tokens:
-        n, found = lookup_continuations(session.context[:session.length], lookup.max_tokens, lookup.max_ngram,
+        n, found = lookup_continuations(context[:length], lookup.max_tokens, lookup.max_ngram,
                                         branches=lookup.branches)
         for follow in found:
             tree.add_path(follow, estimates.lookup_probs(n, len(follow)))
         estimates.proposed_lookup(n, found[0] if found else [])
-    if lookup.pool_tokens and draft is not None:
-        follow = pool_continuation(session.draft_state, session.context, session.length, lookup.pool_tokens,
-                                   draft.cfg.pool_threshold)
+    if lookup.pool_tokens and draft_state is not None:
+        follow = pool_continuation(draft_state, context, length, lookup.pool_tokens, pool_threshold)
         if follow:
             tree.add_path(follow, estimates.lookup_probs(POOL, len(follow)))
         estimates.proposed_lookup(POOL, follow)
-    if settings.verify == "auto":
-        tree = tree.best(best_count(sorted(tree.probs[1:], reverse=True), session.cost))
-    return tree
 
 
 def verify(target, session: Session, tree: TokenTree) -> tuple[torch.Tensor, torch.Tensor]:
