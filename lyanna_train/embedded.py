@@ -58,6 +58,14 @@ EMBEDDED_CORPORA: dict[str, EmbeddedFile] = {
         "data/assets/mt_bench_question.jsonl",
         "MT-Bench (80 two-turn questions; evaluation only, refused as training data), bundled",
     ),
+    "tasks": EmbeddedFile(
+        "tasks",
+        "lyanna_train",
+        "lyanna-train",
+        "data/assets/tasks.jsonl",
+        "24 single-turn tasks unlike the training chats (translation, summarization, grade-school "
+        "math; evaluation only), bundled",
+    ),
 }
 
 EMBEDDED_TARGETS: dict[str, EmbeddedFile] = {

@@ -22,7 +22,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="lyanna-bench", description="Measure decoding methods on the same prompts, "
                                 "back to back in one process, and check that greedy output is lossless.")
     add_model_args(p)
-    p.add_argument("--prompts", default="mtbench", help="mtbench, humaneval (embedded) or a JSONL file")
+    p.add_argument("--prompts", default="mtbench", help="mtbench, humaneval, tasks (embedded) or a JSONL file")
     p.add_argument("--num-prompts", type=int, default=0, help="N questions spread evenly over the set (default: all)")
     p.add_argument("--turns", type=int, choices=(1, 2), default=2, help="turns per question (default 2)")
     p.add_argument("--max-new-tokens", type=int, default=128, help="per turn (default 128)")

@@ -22,7 +22,7 @@ from .chat_template import ChatRenderer, TemplateRenderError, token_range
 from .conversations import Document, Skip
 from .corpus import Corpus, ReadNotes, iter_documents
 
-EVALUATION_ONLY = {"mtbench": "MT-Bench", "mt_bench_question": "MT-Bench"}
+EVALUATION_ONLY = {"mtbench": "MT-Bench", "mt_bench_question": "MT-Bench", "tasks": "tasks-unlike-chat"}
 
 
 @dataclass

@@ -43,6 +43,16 @@ def _architectures(name: str) -> list[str]:
         return []
 
 
+def _complete_converted_copy(ref, model_path: Path) -> None:
+    """A GGUF target's converted copy (our cache) holds the weights alone; engines serving it
+    as the verifier also read its tokenizer there, so it is saved beside them once."""
+    if any((model_path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
+        return
+    from ..target.loading import load_tokenizer
+
+    load_tokenizer(ref).save_pretrained(model_path)
+
+
 def resolve_verifier(target_name: str | None, verifier: str | None = None, target=None) -> dict:
     """{"name_or_path", "architectures"} of the model the engines verify with.
 
@@ -57,7 +67,10 @@ def resolve_verifier(target_name: str | None, verifier: str | None = None, targe
         if not target_name:
             raise LyannaError("the checkpoint does not name its target: pass --verifier PATH_OR_MODEL_ID")
         try:
-            name = model_dir(resolve_target(target_name))
+            ref = resolve_target(target_name)
+            name = model_dir(ref)
+            if ref.gguf_file is not None:
+                _complete_converted_copy(ref, Path(name))
         except LyannaError as err:
             raise LyannaError(f"cannot locate the verifier for target {target_name} ({err}): "
                               "pass --verifier PATH_OR_MODEL_ID") from None
@@ -143,16 +156,22 @@ def serving_commands(out_dir: Path, cfg, verifier: str, tokens: int, speculators
     d, v = shlex.quote(str(Path(out_dir).resolve())), shlex.quote(verifier)
     vllm_config = json.dumps({"method": "eagle3", "model": str(Path(out_dir).resolve()),
                               "num_speculative_tokens": tokens})
-    ids = json.dumps({"eagle_aux_hidden_state_layer_ids": F.vllm_layer_ids(cfg.aux_layer_ids)})
+    # its converter reads neither from config.json: without them it uses its defaults
+    converter = {"eagle_aux_hidden_state_layer_ids": F.vllm_layer_ids(cfg.aux_layer_ids),
+                 **({"norm_before_residual": True} if cfg.norm_before_residual else {})}
     out = {
         "sglang": f"python -m sglang.launch_server --model-path {v} --speculative-algorithm EAGLE3 "
                   f"--speculative-draft-model-path {d} --speculative-num-steps {tokens} --speculative-eagle-topk 1 "
                   f"--speculative-num-draft-tokens {tokens + 1}",
         "vllm": f"vllm serve {v} --speculative-config {shlex.quote(vllm_config)}",
     }
-    if embeddings:  # its converter reads no layer ids from config.json: without these it uses its defaults
-        out["speculators_convert"] = (f"speculators convert {d} --algorithm eagle3 --verifier {v} "
-                                      f"--algorithm-kwargs {shlex.quote(ids)} --output-path {d}-speculators")
+    if embeddings:
+        out["speculators_convert"] = (f"speculators convert {d} --algorithm eagle3 --verifier {v} --algorithm-kwargs "
+                                      f"{shlex.quote(json.dumps(converter))} --output-path {d}-speculators")
     if speculators:
         out["vllm_speculators"] = f"vllm serve {shlex.quote(str(Path(out_dir).resolve() / F.SPECULATORS_DIR))}"
+    if cfg.norm_before_residual:  # SGLang's layer always adds the un-normed state: it would serve another draft
+        out["sglang"] = None
+        out["notes"] = ["norm_before_residual: SGLang's LlamaForCausalLMEagle3 does not read it (its residual is "
+                        "the un-normed state), so it would serve a different draft; serve this head with vLLM"]
     return out

@@ -10,7 +10,6 @@ or the verifier it names has one on disk).
 
 from __future__ import annotations
 
-import hashlib
 import json
 from pathlib import Path
 from typing import Callable
@@ -20,6 +19,7 @@ import torch
 from ..errors import LyannaError
 from . import formats as F
 from . import layouts as L
+from .integrity import check_finite, file_sha256
 from .loader import read_json, read_tensors
 
 _WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
@@ -53,14 +53,6 @@ def read_weights(src: Path) -> tuple[dict, str]:
     for shard in sorted(set(weight_map.values())):
         tensors.update(read_tensors(src / shard) if shard.endswith(".safetensors") else _read_bin(src / shard))
     return tensors, found
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return "sha256:" + h.hexdigest()
 
 
 def _check_embeddings(embed: torch.Tensor, ours: torch.Tensor, src: Path, target_name: str) -> None:
@@ -136,6 +128,7 @@ def read_head(src: Path, layout: str = "auto"):
     else:
         cfg, verifier, notes = L.config_from_eagle3_family(config, str(config_file)), None, []
     where = str(src / weights_file)
+    check_finite(tensors, where)
     state, embed = L.to_draft_names(tensors, layout, where)
     hot = L.hot_ids_of(state, cfg, where)
     state["d2t"] = hot - torch.arange(len(hot))
@@ -183,7 +176,7 @@ def import_head(src: str | Path, out_dir: str | Path, target_name: str, *, targe
                         {"fingerprint": tokenizer_fingerprint(tokenizer), "source": "tokenizer given"}),
         "dropped": [],
         "imported": {"layout": layout, "source": str(src.resolve()), "weights": weights_file,
-                     "sha256": {name: _sha256(src / name) for name in (F.CONFIG_FILE, weights_file)},
+                     "sha256": {name: file_sha256(src / name) for name in (F.CONFIG_FILE, weights_file)},
                      "verifier": verifier, "config": read_json(src / F.CONFIG_FILE), "checked": checked,
                      "notes": notes},
         "training": None,

@@ -190,6 +190,8 @@ def _export(checkpoint_dir: str | Path, out_dir: str | Path, fmt: str = F.LYANNA
         manifest["serving"] = engines.serving_commands(
             out_dir, cfg, (engine_verifier or {}).get("name_or_path") or verifier or target_name or "TARGET",
             speculative_tokens, speculators, embeddings)
+    for note in (manifest.get("serving") or {}).get("notes", []):
+        say(f"note: {note}")
     embed = engines.speculators_embeddings(engine_verifier, cfg, target) if speculators or embeddings else None
     write_directory(out_dir, cfg, state, fmt, manifest, tokenizer_info["fingerprint"], dtype=DTYPES.get(dtype),
                     overwrite=overwrite, speculators=(engine_verifier, speculative_tokens) if speculators else None,

@@ -34,7 +34,7 @@ from .small_linear import stock_linears
 
 METHODS = ("target", "stock", "pld", "lyanna", "lookup")
 NUMERICS_ONLY = ("stock",)  # same model, other GEMM forms: not held to token identity
-EMBEDDED_PROMPTS = ("mtbench", "humaneval")
+EMBEDDED_PROMPTS = ("mtbench", "humaneval", "tasks")
 _TEXT_KEYS = ("prompt", "text", "instruction")
 
 

@@ -85,9 +85,10 @@ def test_no_assistant_anywhere_is_an_error_and_partial_is_counted(tmp_path, smol
     assert stats.skipped == {"no assistant tokens in the rendered conversation": 1}
 
 
-def test_evaluation_set_is_refused_as_training_data(smollm2_tokenizer):
-    with pytest.raises(LyannaError, match="MT-Bench evaluation set"):
-        next(iter_samples(Corpus.resolve(["mtbench"]), smollm2_tokenizer))
+@pytest.mark.parametrize("name,label", [("mtbench", "MT-Bench"), ("tasks", "tasks-unlike-chat")])
+def test_evaluation_sets_are_refused_as_training_data(smollm2_tokenizer, name, label):
+    with pytest.raises(LyannaError, match=f"{label} evaluation set"):
+        next(iter_samples(Corpus.resolve([name]), smollm2_tokenizer))
 
 
 def test_length_grouped_batches_are_seeded_bounded_and_complete():

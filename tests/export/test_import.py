@@ -125,7 +125,7 @@ def test_round_trip_per_layout_gives_identical_logits_and_keeps_the_map(tmp_path
         assert torch.equal(a, b)
     info = manifest["imported"]
     assert info["layout"] == layout and "embeddings" in info["checked"]
-    assert info["sha256"]["config.json"].startswith("sha256:") and bool(info["notes"]) == (not ids)
+    assert len(info["sha256"]["config.json"]) == 64 and bool(info["notes"]) == (not ids)
 
 
 @pytest.mark.parametrize("variants", [dict(norm_before_fc=True, norm_output=True), dict(fc_norm=True)])
@@ -194,12 +194,18 @@ def _spoil(src, case):
         weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
     elif case == "bad-json":
         (src / "config.json").write_text("{oops")
+    elif case == "nan":
+        from safetensors.torch import load_file
+
+        tensors = load_file(str(weights))
+        tensors["fc.weight"][0, 0] = float("nan")
+        save_file(tensors, str(weights))
 
 
 @pytest.mark.parametrize("layout,case,names", [
     ("speculators", "missing-config", "config.json"), ("specforge", "missing-weights", "no weights"),
     ("specforge", "truncated", "model.safetensors"), ("eagle", "truncated", "pytorch_model.bin"),
-    ("speculators", "bad-json", "config.json"),
+    ("speculators", "bad-json", "config.json"), ("speculators", "nan", "fc.weight holds 1 non-finite"),
 ])
 def test_bad_source_files_fail_with_one_line_and_write_nothing(tmp_path, target, smollm2_tokenizer, layout, case,
                                                               names):
@@ -261,3 +267,10 @@ def test_our_own_export_is_not_imported_twice(tmp_path, target, smollm2_tokenize
     imported(tmp_path, src, target, smollm2_tokenizer, name="once")
     with pytest.raises(LyannaError, match="already a Lyanna export"):
         import_head(tmp_path / "once", tmp_path / "twice", "tiny", target=target, tokenizer=smollm2_tokenizer)
+
+
+def test_cli_bad_import_is_one_line_and_exit_2(tmp_path, capsys):
+    assert cli_main(["import", str(tmp_path / "nowhere"), "--target", "smollm2", "--out", str(tmp_path / "out")]) == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert len(err) == 1 and err[0].startswith("lyanna-export: error: source directory not found"), err
+    assert not (tmp_path / "out").exists()
