@@ -1,12 +1,13 @@
 # Two entry points, each of which sets up a fresh machine by itself:
 #   make demo   install, then run the main job on the embedded defaults (SmolLM2 + ShareGPT)
 #   make test   install, then run the test suite (the command CI runs)
+#   make gpu-check   on a machine with a GPU: kernels, a short bf16 training and the benchmark, one table
 PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: install demo test bench
+.PHONY: install demo test test-fast bench gpu-check
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -38,6 +39,16 @@ demo: install
 
 test: install
 	$(BIN)/python -m pytest -q tests
+
+# The fast tier (unit tests and tiny models, under a minute); `make test` runs everything.
+test-fast: install
+	$(BIN)/python -m pytest -q -m "not slow" tests
+
+# Every GPU-only check in one run (< 8 min on one GPU), one table at the end. Needs an
+# interpreter whose torch has CUDA: GPU_PYTHON=/path/to/python make gpu-check
+GPU_PYTHON ?= $(if $(wildcard $(BIN)/python),$(BIN)/python,$(PYTHON))
+gpu-check:
+	$(GPU_PYTHON) bench/gpu_check.py
 
 bench: install
 	$(BIN)/python bench/hotvocab_speed.py

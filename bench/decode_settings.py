@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import argparse
 
-from lyanna_train.cli.decode_config import load_decode_settings
-from lyanna_train.cli.generate import load_models
+from lyanna_train.evaluation.benchmark import hf_method
+from lyanna_train.evaluation.prompts import read_questions, render_prompt
 from lyanna_train.runtime import decode
-from lyanna_train.runtime.benchmark import hf_method, read_questions, render_prompt
+from lyanna_train.runtime.cpu_tuning import tune
+from lyanna_train.runtime.loading import load_models
+from lyanna_train.runtime.settings import load_decode_settings
 
 
 def main() -> None:
@@ -27,6 +29,7 @@ def main() -> None:
     args = p.parse_args()
 
     target, tokenizer, draft = load_models(args.draft, None)
+    cost = tune(target, draft, say=print)
     default = load_decode_settings("default")
     variants = {"default": default, **{v: load_decode_settings("default", v.split(",")) for v in args.variants}}
     target_only = hf_method(target, default)
@@ -36,7 +39,7 @@ def main() -> None:
         prompt = render_prompt(tokenizer, [{"role": "user", "content": q.turns[0]}])
         for name in names[i % len(names):] + names[:i % len(names)]:
             run = target_only(prompt, args.max_new_tokens) if name == "target" else \
-                decode.generate(target, draft, prompt, args.max_new_tokens, variants[name])
+                decode.generate(target, draft, prompt, args.max_new_tokens, variants[name], cost=cost)
             seconds[name] += run.wall_time
             tokens[name] += len(run.tokens)
             forwards[name] += run.target_forwards

@@ -63,7 +63,7 @@ def load_manifest(export: Path) -> dict:
 def prompts(verifier: str, n: int) -> list[list[int]]:
     from transformers import AutoTokenizer
 
-    from lyanna_train.runtime.benchmark import read_questions, render_prompt
+    from lyanna_train.evaluation.prompts import read_questions, render_prompt
 
     tok = AutoTokenizer.from_pretrained(verifier)
     return [render_prompt(tok, [{"role": "user", "content": q.turns[0]}]) for q in read_questions("mtbench", n)]
@@ -142,7 +142,7 @@ def run_ours(args, verifier: str, export: Path, ids: list[list[int]]) -> dict:
     """Our runtime on the same head and verifier: chain drafting ``depth`` deep, every draft verified."""
     import torch
 
-    from lyanna_train.cli.decode_config import load_decode_settings
+    from lyanna_train.runtime.settings import load_decode_settings
     from lyanna_train.export.loader import load_exported
     from lyanna_train.runtime import decode
     from lyanna_train.target.model import load_target_model

@@ -16,13 +16,14 @@ import argparse
 import time
 from dataclasses import replace
 
-from lyanna_train.cli.decode_config import load_decode_settings
-from lyanna_train.cli.generate import load_models
+from lyanna_train.evaluation.prompts import read_questions, render_prompt
 from lyanna_train.runtime import decode
-from lyanna_train.runtime.benchmark import read_questions, render_prompt
 from lyanna_train.runtime.cost import POOL
 from lyanna_train.runtime.decode import LookupSettings
 from lyanna_train.runtime.draft_tree import TreeShape
+from lyanna_train.runtime.cpu_tuning import tune
+from lyanna_train.runtime.loading import load_models
+from lyanna_train.runtime.settings import load_decode_settings
 
 MIXES = {
     "draft": LookupSettings(max_tokens=0),
@@ -42,6 +43,7 @@ def main() -> None:
     args = p.parse_args()
 
     target, tokenizer, draft = load_models(args.draft, None)
+    cost = tune(target, draft, say=print)
     base = load_decode_settings(args.decode)
     prompts = [render_prompt(tokenizer, [{"role": "user", "content": q.turns[0]}])
                for q in read_questions(args.prompts, args.num_prompts)]
@@ -72,7 +74,7 @@ def main() -> None:
 
             decode.prefill = spying_prefill
             try:
-                out = decode.generate(target, draft, prompt, args.max_new_tokens, settings)
+                out = decode.generate(target, draft, prompt, args.max_new_tokens, settings, cost=cost)
             finally:
                 decode.prefill = prefill
             new, forwards = new + len(out.tokens), forwards + out.target_forwards - 1
@@ -87,7 +89,7 @@ def main() -> None:
         for name in names[i % len(names):] + names[:i % len(names)]:
             settings = replace(base, tree=TreeShape(0, 1, 1, 0), lookup=LookupSettings(0), verify="auto") \
                 if name == "plain" else replace(base, lookup=MIXES[name], verify="auto")
-            out = decode.generate(target, draft, prompt, args.max_new_tokens, settings)
+            out = decode.generate(target, draft, prompt, args.max_new_tokens, settings, cost=cost)
             seconds[name] += out.wall_time
             tokens[name] += len(out.tokens)
 

@@ -19,10 +19,10 @@ import json
 
 import torch
 
-from lyanna_train.cli.generate import load_models
 from lyanna_train.data.corpus import Corpus, ReadNotes, iter_documents
 from lyanna_train.data.features import FeatureExtractor
-from lyanna_train.runtime.benchmark import read_questions, render_prompt
+from lyanna_train.evaluation.prompts import read_questions, render_prompt
+from lyanna_train.runtime.loading import load_models
 
 STEPS = 3
 
@@ -82,7 +82,7 @@ def main() -> None:
     p.add_argument("--sharegpt", type=int, default=32, help="held-out ShareGPT replies")
     p.add_argument("--max-tokens", type=int, default=256)
     args = p.parse_args()
-    target, tokenizer, draft = load_models(args.draft, None, small_linears=False)
+    target, tokenizer, draft = load_models(args.draft, None)
     print("| text | positions | " + " | ".join(f"top-1 agreement, step {j}" for j in range(STEPS))
           + " | target top-1 in hot vocab |")
     print("|---|---:|" + "---:|" * (STEPS + 1))

@@ -88,7 +88,7 @@ def heldout_batches(cache_root: Path, train_cache, batch_tokens: int):
 
 
 def measure(name: str, draft, target, prompts, agreement, tokens: int) -> dict:
-    from lyanna_train.runtime.eval import mean_acceptance
+    from lyanna_train.evaluation.acceptance import mean_acceptance
 
     draft.eval()
     out = {"head": name}
@@ -106,7 +106,7 @@ def main() -> None:
     from lyanna_train.export.importer import import_head
     from lyanna_train.export.loader import load_exported
     from lyanna_train.export.writer import export_checkpoint
-    from lyanna_train.runtime.benchmark import read_questions, render_prompt
+    from lyanna_train.evaluation.prompts import read_questions, render_prompt
     from lyanna_train.target.loading import load_tokenizer
     from lyanna_train.target.model import load_target_model
     from lyanna_train.training.checkpoint import latest_checkpoint

@@ -12,6 +12,10 @@ import torch
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "true")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("WANDB_MODE", "offline")
+# DeepSpeed JIT-builds a CPU communication op into TORCH_EXTENSIONS_DIR (default: one folder in
+# ~/.cache shared by every checkout); each virtual environment's include paths differ, so
+# checkouts sharing a machine rebuild it for each other (minutes each). One folder per venv.
+os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path(__import__("sys").prefix) / "torch_extensions"))
 if not torch.cuda.is_available():
     # Triton kernels run on the CPU through its interpreter, which must be chosen before
     # triton is first imported (transformers imports it): here, before any test module.
@@ -149,3 +153,48 @@ def read_only_dir(tmp_path):
     path = tmp_path / "not-a-directory"
     path.write_text("")
     yield path
+
+
+@pytest.fixture(scope="session")
+def smollm2_fitted(smollm2_tokenizer):
+    """The embedded SmolLM2 (fp32, torch's own linears), two prompts with its greedy
+    continuations, and a draft head distilled (a few seconds, with the trainer's own loss)
+    on those continuations, so that its candidates ARE accepted: a lossless test through
+    it verifies real draft nodes, not only the target's own token."""
+    from types import SimpleNamespace
+
+    from lyanna_train.data.features import FeatureExtractor
+    from lyanna_train.models.config import DraftConfig
+    from lyanna_train.models.draft_head import DraftHead
+    from lyanna_train.target.model import load_target_model
+    from lyanna_train.training.config import LossConf
+    from lyanna_train.training.step import distill_loss
+
+    target = load_target_model("smollm2")
+    prompts = [smollm2_tokenizer(text)["input_ids"] for text in ("The capital of France is", "def fibonacci(n):")]
+    with torch.inference_mode():
+        fulls = [target.generate(torch.tensor([p]), max_new_tokens=40, do_sample=False)[0].tolist() for p in prompts]
+    refs = [full[len(p):len(p) + 24] for p, full in zip(prompts, fulls)]
+    torch.manual_seed(0)
+    seen = sorted({t for full in fulls for t in full})
+    rest = [t for t in torch.randperm(target.config.vocab_size).tolist() if t not in set(seen)]
+    hot = torch.tensor(seen + rest[:2048 - len(seen)])
+    cfg = DraftConfig.from_target(target.config, draft_vocab_size=2048, pool_size=128, pool_threshold=0.0,
+                                  aux_layer_ids=(1, 14, 26))
+    draft = DraftHead(cfg, hot, target.get_input_embeddings().weight)
+    extractor = FeatureExtractor(target, cfg.aux_layer_ids)
+    batches = []
+    for full in fulls:
+        ids = torch.tensor([full])
+        feats = extractor(ids)
+        batches.append({"aux": feats.aux.clone(), "last": feats.last.clone(), "input_ids": ids,
+                        "loss_mask": torch.ones_like(ids, dtype=torch.bool),
+                        "valid": torch.ones_like(ids, dtype=torch.bool)})
+    optimizer = torch.optim.AdamW([p for p in draft.parameters() if p.requires_grad], lr=2e-3)
+    lm_weight = target.get_output_embeddings().weight.detach()
+    for step in range(150):
+        loss, _ = distill_loss(draft, batches[step % 2], lm_weight, LossConf(ttt_steps=3))
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    return SimpleNamespace(target=target, draft=draft.eval(), prompts=prompts, refs=refs)

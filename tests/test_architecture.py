@@ -1,4 +1,10 @@
-"""Dependency rules of the package layout, checked by parsing imports (see STYLE.md)."""
+"""Dependency rules of the package layout, checked by parsing imports (see STYLE.md).
+
+``ALLOWED`` is the architecture: for each area of ``lyanna_train`` (a subpackage, or a
+top-level module), the areas it may import — at module level or inside a function
+alike. An import that is not in the table fails the test with the edge it would add;
+adding an edge is a design decision, made here in the open.
+"""
 
 from __future__ import annotations
 
@@ -9,6 +15,107 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "lyanna_train"
 HEAVY_OPTIONAL = {"deepspeed", "wandb", "triton"}
+
+BASE = {"errors", "atomic", "locks", "embedded", "configs", "__init__"}  # leaf modules anything may use
+ALLOWED: dict[str, set[str]] = {
+    "errors": set(),
+    "atomic": {"errors"},
+    "locks": {"errors"},
+    "embedded": {"errors"},
+    "configs": set(),
+    "__init__": set(),
+    "target": BASE,
+    "data": BASE | {"target"},
+    "hotvocab": BASE | {"target", "data"},
+    "models": BASE,
+    "losses": BASE,
+    # serving: the draft, the target's hooks and the export loader; never training code
+    "runtime": BASE | {"models", "target", "export"},
+    "evaluation": BASE | {"runtime", "models", "target"},
+    "export": BASE | {"models", "target", "hotvocab", "training"},
+    "training": BASE | {"target", "data", "hotvocab", "models", "losses", "evaluation", "export"},
+    "cli": BASE | {"target", "data", "hotvocab", "models", "losses", "runtime", "evaluation", "export", "training"},
+}
+# Module-level exceptions to an edge above: (importing module, imported area) -> allowed modules.
+NARROW = {
+    ("runtime", "export"): {"export.loader"},  # serving reads exports, never the writer (which reads checkpoints)
+    ("export", "training"): {"training.checkpoint"},  # the writer finds a run's latest checkpoint
+    ("training", "export"): {"export.loader"},  # fine-tuning starts from an exported head
+}
+
+
+def _area(relative: Path) -> str:
+    return relative.with_suffix("").parts[0]
+
+
+def _internal_imports(path: Path) -> set[str]:
+    """Dotted names of lyanna_train modules imported by ``path``, relative to the package
+    (``__init__`` for the package itself)."""
+    package = list(path.relative_to(PACKAGE).with_suffix("").parts[:-1])
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names |= {a.name.removeprefix("lyanna_train.") for a in node.names if a.name.startswith("lyanna_train.")}
+        elif isinstance(node, ast.ImportFrom) and node.level:
+            base = package[: len(package) - (node.level - 1)] + (node.module.split(".") if node.module else [])
+            if node.module:
+                names.add(".".join(base))
+            else:  # ``from .. import x``: x is a module of that package, or a name defined in it
+                for alias in node.names:
+                    module = PACKAGE.joinpath(*base, alias.name)
+                    is_module = module.is_dir() or module.with_suffix(".py").exists()
+                    names.add(".".join(base + [alias.name]) if is_module else ".".join(base) or "__init__")
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("lyanna_train."):
+            names.add(node.module.removeprefix("lyanna_train."))
+    return names
+
+
+def _edges():
+    for path in sorted(PACKAGE.rglob("*.py")):
+        rel = path.relative_to(PACKAGE)
+        for name in _internal_imports(path):
+            yield rel, _area(rel), name, name.split(".")[0]
+
+
+def test_every_import_between_areas_is_an_allowed_edge():
+    unknown = {area for _, area, _, _ in _edges()} - set(ALLOWED)
+    assert not unknown, f"areas missing from the ALLOWED table: {unknown}"
+    bad = []
+    for rel, area, name, target in _edges():
+        if target == area:
+            continue
+        if target not in ALLOWED[area]:
+            bad.append(f"{rel} imports {name}: {area} -> {target} is not an allowed edge")
+        elif (area, target) in NARROW and not any(name == m or name.startswith(m + ".")
+                                                  for m in NARROW[area, target]):
+            bad.append(f"{rel} imports {name}: {area} may only use {sorted(NARROW[area, target])}")
+    assert not bad, "\n".join(bad)
+
+
+def test_the_table_has_no_cycles_between_areas():
+    """Edges point one way. A NARROW edge counts as the edges of the modules it allows
+    (``export -> training`` is only ``training.checkpoint``, which imports nothing back;
+    ``training -> export`` only ``export.loader``)."""
+    graph = {a: {b for b in deps if b in ALLOWED and b != a} for a, deps in ALLOWED.items()}
+    for (area, target), modules in NARROW.items():
+        graph[area].discard(target)
+        for module in modules:
+            path = PACKAGE.joinpath(*module.split(".")).with_suffix(".py")
+            graph[area] |= {n.split(".")[0] for n in _internal_imports(path)} - {target, area}
+    seen, stack = set(), []
+
+    def visit(node):
+        assert node not in stack, f"cycle: {' -> '.join(stack + [node])}"
+        if node in seen:
+            return
+        stack.append(node)
+        for nxt in graph[node]:
+            visit(nxt)
+        stack.pop()
+        seen.add(node)
+
+    for node in graph:
+        visit(node)
 
 
 def _imports(path: Path) -> set[str]:
@@ -38,16 +145,24 @@ def test_heavy_optional_dependencies_are_never_imported_at_module_level_outside_
             assert owners[name] in path.relative_to(PACKAGE).parts, f"{path} imports {name} at module level"
 
 
-def test_runtime_never_imports_training_code():
-    runtime = PACKAGE / "runtime"
-    for path in runtime.rglob("*.py") if runtime.exists() else []:
-        for name in _imports(path):
-            assert not any(bad in name for bad in ("training", "deepspeed", "wandb", "datasets", "hotvocab.build")), \
-                f"{path} imports {name}"
+def test_runtime_and_evaluation_never_import_training_libraries():
+    for area in ("runtime", "evaluation"):
+        for path in (PACKAGE / area).rglob("*.py"):
+            for name in _imports(path):
+                assert name.split(".")[0] not in ("deepspeed", "wandb", "datasets"), f"{path} imports {name}"
 
 
 def test_import_is_cheap_and_needs_no_accelerator_stack():
     code = "import sys, lyanna_train; print(sorted(m for m in ('torch','deepspeed','triton','wandb') if m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+
+
+def test_serving_never_loads_training_code():
+    """What lyanna-generate imports (the runtime, its loader, evaluation's prompts) pulls in no trainer."""
+    code = ("import sys, lyanna_train.runtime.loading, lyanna_train.runtime.decode, lyanna_train.evaluation.benchmark; "
+            "print(sorted(m for m in sys.modules if m.startswith('lyanna_train.training') or m.split('.')[0] in "
+            "('deepspeed', 'wandb', 'datasets')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
 

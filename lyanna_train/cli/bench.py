@@ -15,7 +15,7 @@ import json
 from pathlib import Path
 
 from .common import entry_point
-from .generate import add_model_args, load_models
+from .generate import add_model_args, load_and_tune
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -84,7 +84,7 @@ def plot(summary: dict, path: Path) -> None:
 
 
 def _running(records: dict) -> dict:
-    from ..runtime.benchmark import summarize
+    from ..evaluation.benchmark import summarize
 
     return {m: f"{s['speedup']:.2f}x" for m, s in summarize(records).items() if m != "target" and s["speedup"]}
 
@@ -103,9 +103,10 @@ def _environment(target) -> dict:
 @entry_point("lyanna-bench")
 def main(argv: list[str]) -> int:
     from ..errors import LyannaError
+    from ..evaluation import benchmark as B
+    from ..evaluation.prompts import Question, read_questions
     from ..locks import output_lock
-    from ..runtime import benchmark as B
-    from .decode_config import load_decode_settings
+    from ..runtime.settings import load_decode_settings
 
     args = build_parser().parse_args(argv)
     names = [m.strip() for m in args.methods.split(",") if m.strip()]
@@ -115,7 +116,7 @@ def main(argv: list[str]) -> int:
         raise LyannaError("the lyanna method needs --draft EXPORT_DIR")
     B.check_methods(names)  # before anything loads
     settings = load_decode_settings(args.decode, args.overrides)
-    questions = B.read_questions(args.prompts, args.num_prompts or None)
+    questions = read_questions(args.prompts, args.num_prompts or None)
     out = Path(args.out or f"checkpoints/bench-{Path(args.draft or args.target).name}-{Path(args.prompts).stem}")
     with output_lock(out):  # checks --out can be written now, not after the whole benchmark; one writer
         return _run(args, names, settings, questions, out)
@@ -127,13 +128,13 @@ def _run(args, names: list[str], settings, questions: list, out: Path) -> int:
     from tqdm import tqdm
 
     from ..atomic import atomic_directory
-    from ..runtime import benchmark as B
+    from ..evaluation import benchmark as B
+    from ..evaluation.prompts import Question
 
-    target, tokenizer, draft = load_models(args.draft, args.target, "lyanna" in names, args.threads,
-                                           not args.stock_linears)
-    methods = B.make_methods(names, target, draft, settings, args.pld_tokens)
+    target, tokenizer, draft, cost = load_and_tune(args, "lyanna" in names)
+    methods = B.make_methods(names, target, draft, settings, args.pld_tokens, cost)
 
-    warm = B.Question("warm-up", "", questions[0].turns[:1])
+    warm = Question("warm-up", "", questions[0].turns[:1])
     B.run_question(warm, methods, tokenizer, min(args.max_new_tokens, 16), 1, args.chat)  # not counted
     records: dict[str, list] = {m: [] for m in names}
     bar = tqdm(questions, desc="bench", unit="question")

@@ -15,7 +15,20 @@ from collections import Counter
 
 from transformers import TextStreamer
 
+from ..runtime.loading import load_models
 from .common import entry_point
+
+
+def load_and_tune(args, need_draft: bool):
+    """(target, tokenizer, draft or None, the target's verify cost): the models of
+    ``--draft``/``--target``, tuned for this machine (read from the on-disk cache after the
+    first run)."""
+    from ..runtime.cpu_tuning import tune
+
+    target, tokenizer, draft = load_models(args.draft, args.target, need_draft, args.threads)
+    cost = tune(target, draft, linear_forms=not args.stock_linears, retune=args.retune,
+                say=lambda line: print(line, file=sys.stderr, flush=True))
+    return target, tokenizer, draft, cost
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
@@ -30,46 +43,10 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stock-linears", action="store_true",
                    help="keep torch's nn.Linear forms (default: the fastest measured GEMM form per token count on "
                    "CPU, for every method; see lyanna_train/runtime/small_linear.py)")
+    p.add_argument("--retune", action="store_true", help="measure the CPU tuning again instead of reading it from "
+                   "the cache (~/.cache/lyanna_train/cpu_tuning; e.g. after timing on a busy machine)")
     p.add_argument("--threads", type=int, metavar="N", help="torch CPU threads (default: torch's choice); a busy "
                    "machine is faster with fewer threads than cores")
-
-
-def load_models(draft_dir: str | None, target_spec: str | None, need_draft: bool = True, threads: int | None = None,
-                small_linears: bool = True):
-    """(target, tokenizer, draft or None): the target is the one the draft was exported for
-    unless ``target_spec`` says otherwise (the loader then checks its fingerprint). With
-    ``small_linears`` a CPU target's linears take the fastest GEMM form per token count,
-    chosen by timing its forwards here (a few seconds, before any clock starts)."""
-    import torch
-    from transformers.utils import logging as hf_logging
-
-    from ..errors import LyannaError
-    from ..export.loader import load_exported, read_manifest
-    from ..target.loading import load_tokenizer
-    from ..runtime.cost import use_measured_linears
-    from ..target.model import load_target_model
-
-    if threads is not None:
-        if threads < 1:
-            raise LyannaError("--threads must be at least 1")
-        torch.set_num_threads(threads)
-    if draft_dir is None and target_spec is None:
-        raise LyannaError("give --draft EXPORT_DIR (or --target SPEC to decode with prompt lookup only)")
-    manifest = read_manifest(draft_dir) if draft_dir is not None else {}
-    spec = target_spec or (manifest.get("target") or {}).get("name")
-    if not spec:
-        raise LyannaError(f"{draft_dir}/manifest.json does not name its target: pass --target")
-    hf_logging.disable_progress_bar()  # "Loading weights" would interleave with the generated text
-    try:
-        tokenizer, target = load_tokenizer(spec), load_target_model(spec)
-    finally:
-        hf_logging.enable_progress_bar()
-    draft = load_exported(draft_dir, target, tokenizer)[0] if draft_dir is not None and need_draft else None
-    if small_linears and target.device.type == "cpu":
-        print("timing the target's and the draft's linear forms per token count (~10 s; --stock-linears skips it)",
-              file=sys.stderr, flush=True)
-        use_measured_linears(target, draft)
-    return target, tokenizer, draft
 
 
 class RunStreamer(TextStreamer):
@@ -120,7 +97,7 @@ def summary_line(result) -> str:
 
 def read_prompts(args) -> list:
     from ..errors import LyannaError
-    from ..runtime.benchmark import Question, read_questions
+    from ..evaluation.prompts import Question, read_questions
 
     if args.prompt and args.file:
         raise LyannaError("give prompts as arguments or with --file, not both")
@@ -154,17 +131,16 @@ def build_parser() -> argparse.ArgumentParser:
 @entry_point("lyanna-generate")
 def main(argv: list[str]) -> int:
     from ..errors import LyannaError
-    from ..runtime.benchmark import render_prompt
+    from ..evaluation.prompts import render_prompt
     from ..runtime.decode import generate
-    from .decode_config import load_decode_settings
+    from ..runtime.settings import load_decode_settings
 
     args = build_parser().parse_args(argv)
     if args.max_new_tokens < 1:
         raise LyannaError("--max-new-tokens must be at least 1")
     settings = load_decode_settings(args.decode, args.overrides)
     questions = read_prompts(args)
-    target, tokenizer, draft = load_models(args.draft, args.target, settings.tree.depth > 0, args.threads,
-                                           not args.stock_linears)
+    target, tokenizer, draft, cost = load_and_tune(args, settings.tree.depth > 0)
     mark = ("colour" if sys.stdout.isatty() else "brackets") if args.show_acceptance else None
     total = sum(len(q.turns) for q in questions)
     done = 0
@@ -177,7 +153,7 @@ def main(argv: list[str]) -> int:
             messages.append({"role": "user", "content": turn})
             streamer = RunStreamer(tokenizer, sys.stdout, mark)
             result = generate(target, draft, render_prompt(tokenizer, messages, args.chat), args.max_new_tokens,
-                              settings, on_tokens=streamer.put_tokens)
+                              settings, on_tokens=streamer.put_tokens, cost=cost)
             streamer.end()
             messages.append({"role": "assistant", "content": tokenizer.decode(result.tokens, skip_special_tokens=True)})
             print(summary_line(result), file=sys.stderr)

@@ -1,6 +1,7 @@
 """``lyanna-train +recipe=NAME [overrides]``: distil a Lyanna draft head (Hydra + DeepSpeed).
 
-Runs as one process or under the DeepSpeed launcher, which appends ``--local_rank=N``:
+``--plan`` prints what the run would cost instead (``lyanna-plan``). Runs as one process
+or under the DeepSpeed launcher, which appends ``--local_rank=N``:
 that flag is taken out of the arguments (and put in ``LOCAL_RANK``) before Hydra
 parses them. Recipes in ``recipes/`` are registered as the ``recipe`` config group.
 """
@@ -9,11 +10,8 @@ from __future__ import annotations
 
 import os
 import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
-CONF_DIR = Path(os.environ.get("LYANNA_CONF", ROOT / "conf"))
-RECIPES_DIR = Path(os.environ.get("LYANNA_RECIPES", ROOT / "recipes"))
+from ..configs import conf_dir, recipes_dir
 
 
 def take_local_rank(argv: list[str]) -> list[str]:
@@ -41,7 +39,7 @@ def register_configs() -> None:
 
     register()
     store = ConfigStore.instance()
-    for path in sorted(RECIPES_DIR.glob("*.yaml")):
+    for path in sorted(recipes_dir().glob("*.yaml")):
         store.store(group="recipe", name=path.stem, node=OmegaConf.load(path), package="_global_")
 
 
@@ -64,11 +62,15 @@ def run(cfg) -> None:
 def main() -> None:
     import hydra
 
+    if "--plan" in sys.argv[1:]:  # the same config, planned instead of run (lyanna-plan)
+        from .plan import main as plan
+
+        raise SystemExit(plan([a for a in sys.argv[1:] if a != "--plan"]))
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     sys.argv = [sys.argv[0], *take_local_rank(sys.argv[1:])]
     register_configs()
-    hydra.main(config_path=str(CONF_DIR), config_name="config", version_base=None)(run)()
+    hydra.main(config_path=str(conf_dir()), config_name="config", version_base=None)(run)()
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
-"""Length-grouped, seeded batching of variable-length samples, and padding collation.
+"""Length-grouped, seeded batching of variable-length samples, and right padding (the one
+place rows of different lengths become a batch: samples, cached features, online batches).
 
 Samples are read into a bounded buffer, shuffled with a seeded RNG, sorted by length
 within the buffer and cut into batches under a token budget (padding included), and the
@@ -9,7 +10,7 @@ and memory stays bounded by the buffer.
 from __future__ import annotations
 
 import random
-from typing import Iterable, Iterator
+from typing import Iterable, Iterator, Sequence
 
 import torch
 
@@ -45,14 +46,20 @@ def length_grouped_batches(samples: Iterable[Sample], max_tokens: int, seed: int
     yield from drain()
 
 
+def pad_right(rows: Sequence[torch.Tensor], value=0, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Rows [T_i, ...] -> [B, max T_i, ...]: each row at the start of its line, ``value`` after it.
+
+    Right padding with causal attention never lets a real token see the padding, so a
+    mask-free forward stays exact for every real position."""
+    first = rows[0]
+    out = torch.full((len(rows), max(len(r) for r in rows), *first.shape[1:]), value, dtype=dtype or first.dtype)
+    for i, r in enumerate(rows):
+        out[i, : len(r)] = torch.as_tensor(r)
+    return out
+
+
 def collate(samples: list[Sample], pad_id: int) -> dict[str, torch.Tensor]:
     """Right-pad to the longest sample: input_ids [B, T], loss_mask / attention_mask [B, T] bool."""
-    longest = max(len(s) for s in samples)
-    input_ids = torch.full((len(samples), longest), pad_id, dtype=torch.int64)
-    loss_mask = torch.zeros((len(samples), longest), dtype=torch.bool)
-    attention_mask = torch.zeros((len(samples), longest), dtype=torch.bool)
-    for row, s in enumerate(samples):
-        input_ids[row, : len(s)] = s.input_ids
-        loss_mask[row, : len(s)] = s.loss_mask
-        attention_mask[row, : len(s)] = True
-    return {"input_ids": input_ids, "loss_mask": loss_mask, "attention_mask": attention_mask}
+    return {"input_ids": pad_right([torch.as_tensor(s.input_ids) for s in samples], pad_id, torch.int64),
+            "loss_mask": pad_right([torch.as_tensor(s.loss_mask) for s in samples], False, torch.bool),
+            "attention_mask": pad_right([torch.ones(len(s), dtype=torch.bool) for s in samples], False)}

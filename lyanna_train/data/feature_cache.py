@@ -162,63 +162,13 @@ class FeatureCache:
                               "run the build again to redo it")
         return load(data)
 
-    def iter_samples(self, shards: Sequence[int], generator: torch.Generator | None = None) -> Iterator[dict]:
-        """Per-sample dicts from ``shards`` in order; samples within a shard shuffled if ``generator``."""
-        for k in shards:
+    def iter_samples(self, shards: Sequence[int] | None = None) -> Iterator[dict]:
+        """Per-sample dicts from ``shards`` (default: all), in stored order, for inspection;
+        training reads whole shards through its batch plan (``training.batches``)."""
+        for k in range(len(self)) if shards is None else shards:
             t = self.load_shard(k)
-            n = len(t["sample_index"])
-            order = torch.randperm(n, generator=generator).tolist() if generator is not None else range(n)
-            for j in order:
+            for j in range(len(t["sample_index"])):
                 a, b = int(t["offsets"][j]), int(t["offsets"][j + 1])
-                # clone: a view would keep (and ship to DataLoader workers) the whole shard
+                # clone: a view would keep the whole shard alive
                 yield {"index": int(t["sample_index"][j]), "input_ids": t["input_ids"][a:b].long(),
                        **{key: t[key][a:b].clone() for key in FEATURE_KEYS if key in t}}
-
-
-class FeatureDataset(torch.utils.data.IterableDataset):
-    """Streams a cache shard by shard: memory holds one shard per DataLoader worker.
-
-    Shards are split over ``world_size`` ranks, then over DataLoader workers; with
-    ``shuffle`` the shard order and the order within each shard change every epoch
-    (:meth:`set_epoch`), reproducibly from ``seed``.
-    """
-
-    def __init__(self, cache: FeatureCache, shuffle: bool = False, seed: int = 0, rank: int = 0, world_size: int = 1):
-        if not 0 <= rank < world_size:
-            raise LyannaError(f"rank {rank} is outside world size {world_size}")
-        self.cache, self.shuffle, self.seed, self.rank, self.world_size = cache, shuffle, seed, rank, world_size
-        self.epoch = 0
-
-    def set_epoch(self, epoch: int) -> None:
-        self.epoch = epoch
-
-    def __iter__(self) -> Iterator[dict]:
-        generator = None
-        order = list(range(len(self.cache)))
-        if self.shuffle:
-            generator = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)
-            order = torch.randperm(len(order), generator=generator).tolist()
-        order = order[self.rank:: self.world_size]
-        worker = torch.utils.data.get_worker_info()
-        if worker is not None:
-            order = order[worker.id:: worker.num_workers]
-        return self.cache.iter_samples(order, generator)
-
-
-def collate_features(items: list[dict]) -> dict[str, torch.Tensor]:
-    """Right-pad per-sample dicts into a batch: aux [B, T, k*H], last [B, T, H], ids/mask [B, T].
-
-    Padding has ``loss_mask`` False, so losses that honour the mask ignore it.
-    """
-    lengths = torch.tensor([len(x["input_ids"]) for x in items])
-    width = int(lengths.max())
-
-    def pad(key: str) -> torch.Tensor:
-        first = items[0][key]
-        out = first.new_zeros((len(items), width, *first.shape[1:]))
-        for row, x in enumerate(items):
-            out[row, : len(x[key])] = x[key]
-        return out
-
-    return {"index": torch.tensor([x["index"] for x in items]), "lengths": lengths, "input_ids": pad("input_ids"),
-            **{key: pad(key) for key in FEATURE_KEYS if key in items[0]}}

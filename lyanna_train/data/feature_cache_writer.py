@@ -32,24 +32,24 @@ import torch
 from ..atomic import write_json_atomic
 from ..errors import LyannaError
 from ..locks import output_lock
+from ..target.capture import LAYER_CONVENTION
 from ..target.fingerprint import tokenizer_fingerprint
 from ..target.model import target_fingerprint
 from .batching import collate, length_grouped_batches
 from .feature_cache import (
     DTYPE, FORMAT, SHARDS, VERSION, bytes_per_token, entry_path, read_manifest, shard_path, shard_problem,
 )
-from .features import LAYER_CONVENTION, FeatureExtractor
+from .features import FeatureExtractor
 from .features import teacher_summary as summarise
-from .samples import Sample
+from .samples import MAX_LENGTH, Sample
 
 # What must match for a resumed build (or another --shard process) to add to a cache.
 _FIXED = ("format", "version", "target", "tokenizer", "chat_template_sha256", "layers", "max_length",
           "shard_tokens", "dtype")
 
-
 @dataclass(frozen=True)
 class CacheSettings:
-    max_length: int = 2048  # samples are cut to this many tokens
+    max_length: int = MAX_LENGTH  # what the samples were cut to (SampleSettings): recorded, checked
     shard_tokens: int = 32768  # a shard closes at this many tokens (~150 MB for a 576-wide target)
     batch_tokens: int = 4096  # padded tokens per target forward
     # also store the teacher's full-vocabulary top-1 and logsumexp per token: one more LM-head
@@ -61,10 +61,9 @@ class CacheSettings:
             if getattr(self, name) < 1:
                 raise LyannaError(f"--{name.replace('_', '-')} must be at least 1, not {getattr(self, name)}")
 
-
 @dataclass
 class ShardSamples:
-    """The samples of one shard, cut to ``max_length``, in stream order."""
+    """The samples of one shard, in stream order."""
 
     shard: int
     first: int  # stream position of the first sample
@@ -89,7 +88,6 @@ class ShardSamples:
         return {"shard": self.shard, "first": self.first, "samples": len(self.index), "tokens": self.tokens,
                 "loss_tokens": sum(int(m.sum()) for m in self.loss_mask), "inputs_sha256": h.hexdigest()}
 
-
 def shard_samples(samples: Iterable, settings: CacheSettings, max_samples: int | None = None,
                   skipped: list | None = None) -> Iterator[ShardSamples]:
     """Group the first ``max_samples`` samples into shards of about ``shard_tokens`` tokens.
@@ -98,11 +96,14 @@ def shard_samples(samples: Iterable, settings: CacheSettings, max_samples: int |
     """
     current, shard = None, 0
     for pos, sample in enumerate(itertools.islice(samples, max_samples)):
-        ids = torch.as_tensor(sample.input_ids)[: settings.max_length].to(torch.int32)
-        mask = torch.as_tensor(sample.loss_mask)[: settings.max_length].to(torch.bool)
+        ids = torch.as_tensor(sample.input_ids).to(torch.int32)
+        mask = torch.as_tensor(sample.loss_mask).to(torch.bool)
         if ids.dim() != 1 or ids.shape != mask.shape:
             raise LyannaError(f"sample {sample.index}: input_ids {tuple(ids.shape)} and loss_mask "
                               f"{tuple(mask.shape)} must be 1-D and of equal length")
+        if len(ids) > settings.max_length:  # samples are cut once, when they are built
+            raise LyannaError(f"sample {sample.index} has {len(ids)} tokens, more than max_length "
+                              f"{settings.max_length}: build the samples with SampleSettings(max_length=...)")
         if not bool(mask.any()):
             if skipped is not None:
                 skipped.append(int(sample.index))
@@ -116,7 +117,6 @@ def shard_samples(samples: Iterable, settings: CacheSettings, max_samples: int |
     if current is not None:
         yield current
 
-
 def shard_batches(group: ShardSamples, batch_tokens: int) -> Iterator[list[Sample]]:
     """The forward passes of one shard: length-grouped, within ``batch_tokens`` padded tokens.
 
@@ -125,7 +125,6 @@ def shard_batches(group: ShardSamples, batch_tokens: int) -> Iterator[list[Sampl
     """
     items = [Sample(j, ids, mask) for j, (ids, mask) in enumerate(zip(group.input_ids, group.loss_mask))]
     return length_grouped_batches(items, batch_tokens, seed=group.shard, buffer_size=len(items))
-
 
 def write_shard(root: Path, planned: dict, tensors: dict[str, torch.Tensor], meta: dict) -> dict:
     """Write one shard file, then its index entry; each appears only once complete."""
@@ -142,7 +141,6 @@ def write_shard(root: Path, planned: dict, tensors: dict[str, torch.Tensor], met
     entry = {**planned, "file": path.name, "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
     write_json_atomic(entry_path(root, planned["shard"]), entry)
     return entry
-
 
 class _BackgroundWriter:
     """Writes finished shards on a thread so the disk overlaps the next shard's forward passes.
@@ -182,7 +180,6 @@ class _BackgroundWriter:
         if not quiet:
             self._check()
 
-
 def compute_shard(extractor, group: ShardSamples, batch_tokens: int, teacher_summary: bool = True,
                   on_tokens=None) -> dict[str, torch.Tensor]:
     """Run the target over one shard and pack its features: aux [N, k*H], last [N, H] in bf16,
@@ -217,7 +214,6 @@ def compute_shard(extractor, group: ShardSamples, batch_tokens: int, teacher_sum
             "loss_mask": torch.cat(group.loss_mask), "offsets": offsets,
             "sample_index": torch.tensor(group.index, dtype=torch.int64)}
 
-
 @dataclass
 class BuildResult:
     out: Path
@@ -234,7 +230,6 @@ class BuildResult:
     @property
     def tokens_per_second(self) -> float:
         return self.tokens_computed / max(self.seconds, 1e-9)
-
 
 def _manifest(model, tokenizer, extractor, settings, plan, skipped, source) -> dict:
     config = model.config
@@ -260,7 +255,6 @@ def _manifest(model, tokenizer, extractor, settings, plan, skipped, source) -> d
         "shards": plan,
     }
 
-
 def _prepare(out: Path, manifest: dict, overwrite: bool) -> None:
     """Refuse to add to a cache made with other settings; then (re)write the manifest."""
     if out.exists() and not out.is_dir():
@@ -279,17 +273,14 @@ def _prepare(out: Path, manifest: dict, overwrite: bool) -> None:
     (out / SHARDS).mkdir(parents=True, exist_ok=True)
     write_json_atomic(out / "manifest.json", manifest)
 
-
 def _remove_stale_temporaries(out: Path, part: int, parts: int) -> None:
     """Delete half-written files a killed run of this process left (other processes own theirs)."""
     for tmp in (out / SHARDS).glob(".shard-*.tmp-*"):
         if int(tmp.name.split("-")[1].split(".")[0]) % parts == part:
             tmp.unlink(missing_ok=True)
 
-
 def _gb(n: float) -> str:
     return f"{n / 1e9:.2f} GB" if n >= 1e8 else f"{n / 1e6:.1f} MB"
-
 
 def _shards_to_compute(out: Path, mine: list[dict], say) -> dict[int, dict]:
     """This process's planned shards that are not complete and valid on disk (problems reported)."""
@@ -302,7 +293,6 @@ def _shards_to_compute(out: Path, mine: list[dict], say) -> dict[int, dict]:
             todo[planned["shard"]] = planned
     return todo
 
-
 def _compute(samples, settings: CacheSettings, max_samples, extractor, todo: dict, writer, on_tokens) -> None:
     for group in shard_samples(samples, settings, max_samples):
         planned = todo.get(group.shard)
@@ -313,7 +303,6 @@ def _compute(samples, settings: CacheSettings, max_samples, extractor, todo: dic
                               "(the sample stream must be deterministic)")
         writer.submit(planned, compute_shard(extractor, group, settings.batch_tokens, settings.teacher_summary, on_tokens))
 
-
 def _summary(result: BuildResult, part: int, parts: int) -> str:
     state = "complete" if result.complete else "incomplete (other --shard processes still to run)"
     if not result.shards_written:
@@ -321,7 +310,6 @@ def _summary(result: BuildResult, part: int, parts: int) -> str:
     return (f"wrote {result.shards_written} shards: {result.tokens_computed:,} tokens, {_gb(result.bytes_written)} "
             f"({result.bytes_written / result.tokens_computed:,.0f} bytes/token) in {result.seconds:.1f} s "
             f"({result.tokens_per_second:,.0f} tokens/s); cache {state}")
-
 
 def build_feature_cache(samples: Iterable, model, tokenizer, out: str | Path, *, layer_ids=None,
                         settings: CacheSettings = CacheSettings(), shard: tuple[int, int] = (0, 1),
@@ -342,7 +330,6 @@ def build_feature_cache(samples: Iterable, model, tokenizer, out: str | Path, *,
     with output_lock(out, tag=f".shard-{part}of{parts}"):
         return _build(samples, model, tokenizer, Path(out), layer_ids, settings, shard, max_samples, source,
                       overwrite, progress, say)
-
 
 def _build(samples, model, tokenizer, out: Path, layer_ids, settings, shard, max_samples, source, overwrite,
            progress, say) -> BuildResult:

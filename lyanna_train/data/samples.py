@@ -37,9 +37,12 @@ class Sample:
         return len(self.input_ids)
 
 
+MAX_LENGTH = 2048  # tokens per sample by default, for every stage (EAGLE-3 trains on 2048)
+
+
 @dataclass(frozen=True)
 class SampleSettings:
-    max_length: int = 2048  # tokens per sample
+    max_length: int = MAX_LENGTH  # tokens per sample
     overflow: str = "truncate"  # truncate | drop: what happens to longer samples
 
     def __post_init__(self):

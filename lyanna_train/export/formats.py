@@ -30,6 +30,7 @@ import dataclasses
 
 from ..errors import LyannaError
 from ..models.config import DraftConfig
+from ..target.capture import LAYER_CONVENTION
 
 KIND = "lyanna.draft-export"
 VERSION = 1
@@ -43,7 +44,7 @@ HOT_VOCAB_FILE = "hot_vocab.safetensors"  # hot_ids, d2t, t2d + tokenizer finger
 SIDE_DIR = "lyanna"
 EMBED_TOKENS = "embed_tokens.weight"  # the verifier's embeddings, stored beside a head only for speculators
 SPECULATORS_DIR = "speculators"  # speculators' config.json + the weights under its names (vllm serve DIR)
-AUX_CONVENTION = "output of decoder layer i (0-based) = HF hidden_states[i+1]"
+AUX_CONVENTION = LAYER_CONVENTION  # ours, as the manifest states it
 
 _CORE = (  # the EAGLE-3 layout, named as SGLang and vLLM name it
     "fc.weight",

@@ -144,7 +144,7 @@ def import_head(src: str | Path, out_dir: str | Path, target_name: str, *, targe
     import dataclasses
 
     from ..atomic import check_output_dir
-    from ..data.features import check_layer_ids, default_layer_ids
+    from ..target.capture import check_layer_ids, default_layer_ids
     from ..target.fingerprint import tokenizer_fingerprint
     from ..target.model import target_fingerprint
     from .writer import DTYPES, base_manifest, write_directory

@@ -52,8 +52,9 @@ class DraftHead(nn.Module):
         self.register_buffer("t2d", torch.zeros(cfg.vocab_size, dtype=torch.bool).scatter_(0, hot_ids, True))
         if cfg.aux_scale:  # set from data by the trainer (training.setup); 1 = the plain EAGLE-3 fc
             self.register_buffer("aux_scale", torch.ones(cfg.num_aux_layers * cfg.target_hidden_size))
-        # The target's own embeddings, frozen and not part of the draft's weights.
-        self.register_buffer("embed_weight", target_embeddings.detach().clone(), persistent=False)
+        # The target's own embeddings, frozen and not part of the draft's weights: a reference
+        # to the target's table, not a copy (~1 GB in bf16 for Llama-3-8B).
+        self.register_buffer("embed_weight", target_embeddings.detach(), persistent=False)
 
     @property
     def hot_ids(self) -> torch.Tensor:
@@ -123,15 +124,18 @@ class DraftHead(nn.Module):
         return outputs
 
     def forward_cached(self, hidden: torch.Tensor, input_ids: torch.Tensor, positions: torch.Tensor,
-                       past_k: torch.Tensor | None, past_v: torch.Tensor | None, mask: torch.Tensor):
+                       keys: torch.Tensor, values: torch.Tensor, start: int, mask: torch.Tensor) -> torch.Tensor:
         """Serving forward of N new entries: hidden [B, N, H] (``fc`` output or a fused
-        state), input_ids / positions [B, N], past keys/values [B, nkv, S, d] or None,
-        mask [B, 1, N, S + N] bool -> (state before pool fusion [B, N, H], k, v of the new entries)."""
+        state), input_ids / positions [B, N], the preallocated cache keys/values
+        [B, nkv, capacity, d] whose slots 0..start-1 the entries may attend to, mask
+        [B, 1, N, start + N] bool -> state before pool fusion [B, N, H]. The new keys and
+        values are written in place at slots start..start+N-1; attention reads a view."""
         q, k, v = self.midlayer.qkv(self.embed(input_ids), hidden, positions)
-        all_k = k if past_k is None else torch.cat([past_k, k], dim=2)
-        all_v = v if past_v is None else torch.cat([past_v, v], dim=2)
-        attn = self.midlayer.self_attn.attend_cached(q, all_k, all_v, mask)
-        return self.midlayer.finish(hidden, attn), k, v
+        end = start + k.shape[2]
+        keys[:, :, start:end] = k
+        values[:, :, start:end] = v
+        attn = self.midlayer.self_attn.attend_cached(q, keys[:, :, :end], values[:, :, :end], mask)
+        return self.midlayer.finish(hidden, attn)
 
     def draft_to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return draft_ids + self.d2t[draft_ids]

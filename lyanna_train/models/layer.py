@@ -65,9 +65,10 @@ class DraftAttention(nn.Module):
         return out
 
     def attend_cached(self, q, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """Serving attention over explicit keys k/v [B, nkv, S, d] with ``mask`` [B|1, 1|nh, T, S] bool."""
-        k, v = repeat_kv(k, self.groups), repeat_kv(v, self.groups)
-        return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale)
+        """Serving attention over explicit keys k/v [B, nkv, S, d] (a view of the cache: the
+        query heads share them in place, nothing is repeated) with ``mask`` [B|1, 1|nh, T, S] bool."""
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale,
+                                                                enable_gqa=self.groups > 1)
 
 
 class DraftDecoderLayer(nn.Module):

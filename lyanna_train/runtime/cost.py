@@ -4,9 +4,9 @@ candidate's estimated chance of acceptance (:class:`AcceptanceEstimates`).
 On a GPU a target forward costs about the same for 1 or 64 tokens, so every candidate is
 worth verifying. On a CPU it does not: with SmolLM2 on 2 cores and the measured linear
 forms (:mod:`.small_linear`), 1 token takes ~20 ms, 2-5 ~24, 8 ~30 and 16 ~37
-(torch's own linears: 40, 71, 63, 71, 84 ms for 1, 2, 4, 8, 16). So the runtime measures the target's
-forward time per number of tokens once, and each iteration verifies the ``n`` most
-probable candidates that maximise
+(torch's own linears: 40, 71, 63, 71, 84 ms for 1, 2, 4, 8, 16). So the target's forward
+time per number of tokens is measured once (:func:`.cpu_tuning.tune`, cached on disk), and
+each iteration verifies the ``n`` most probable candidates that maximise
 
     (1 + Σ_{i ≤ n} p_i) / cost(n + 1)
 
@@ -16,20 +16,8 @@ token). n = 0 is a plain decoding step: speculation is skipped when it would not
 
 from __future__ import annotations
 
-import time
-import weakref
 from bisect import bisect_left
 from typing import Sequence
-
-import torch
-from transformers import DynamicCache
-
-from .draft_step import draft_extend_timer
-from .small_linear import choose_forms, release_unused_packing, small_batch_forms, use_small_batch_linears
-from .target_step import target_forward
-
-SIZES = tuple(range(1, 17)) + (20, 24, 28, 32, 48, 64)
-DRAFT_SIZES = tuple(range(1, 17))  # anchors accepted at once, or tree nodes of one level
 
 
 class VerifyCost:
@@ -151,58 +139,3 @@ class AcceptanceEstimates:
             counts[0] += right
             counts[1] += right < min(len(follow), len(new))
         self.guesses, self.proposals = {}, []
-
-
-_measured: "weakref.WeakKeyDictionary[torch.nn.Module, VerifyCost]" = weakref.WeakKeyDictionary()
-
-
-def measured_cost(target, context: int = 256, repeats: int = 3) -> VerifyCost:
-    """The target's forward time per number of new tokens after ``context`` cached ones
-    (best of ``repeats``: the least disturbed by other work), measured once per model. A
-    target set up by :func:`~.small_linear.use_small_batch_linears` gets its GEMM form per
-    token count chosen by the same timings."""
-    if target not in _measured:
-        vocab = target.config.vocab_size
-        with torch.inference_mode():
-            cache = DynamicCache(config=target.config)
-            target_forward(target, None, cache, torch.randint(0, vocab, (1, context), device=target.device), 1)
-
-            def time_forward(n: int) -> float:
-                ids = torch.randint(0, vocab, (1, n), device=target.device)
-                best = float("inf")
-                for _ in range(repeats):
-                    start = time.perf_counter()
-                    target_forward(target, None, cache, ids)
-                    if target.device.type == "cuda":
-                        torch.cuda.synchronize()
-                    best = min(best, time.perf_counter() - start)
-                    cache.crop(-n)
-                return best
-
-            forms = small_batch_forms(target)
-            if forms is not None:
-                seconds = choose_forms(forms, time_forward, SIZES)
-                release_unused_packing(target)
-            else:
-                seconds = [time_forward(n) for n in SIZES]
-        _measured[target] = VerifyCost(SIZES, seconds)
-    return _measured[target]
-
-
-def use_measured_linears(target, draft=None) -> VerifyCost | None:
-    """On CPU: give the target's (and the draft's) linears the fastest GEMM form per row
-    count (:mod:`.small_linear`), chosen by timing their own forwards -> the target's
-    verify cost measured with them; None (nothing changed) for models not on the CPU.
-
-    Called before any timed decoding and for every method alike; a target whose cost was
-    measured before must not be passed (the cost is kept per model)."""
-    if target in _measured:
-        raise ValueError("this target's cost was measured with its previous linears")
-    if use_small_batch_linears(target) is None:
-        return None
-    cost = measured_cost(target)
-    forms = use_small_batch_linears(draft) if draft is not None else None
-    if forms is not None:
-        choose_forms(forms, draft_extend_timer(draft), DRAFT_SIZES)
-        release_unused_packing(draft)
-    return cost

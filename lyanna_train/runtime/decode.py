@@ -26,9 +26,9 @@ from typing import Callable, Sequence
 import torch
 from transformers import DynamicCache
 
-from ..data.features import LayerCapture
 from ..models.draft_head import DraftHead
-from .cost import POOL, AcceptanceEstimates, VerifyCost, best_count, measured_cost
+from ..target.capture import LayerCapture
+from .cost import POOL, AcceptanceEstimates, VerifyCost, best_count
 from .draft_step import DraftState, draft_extend
 from .draft_tree import TreeShape, draft_tree
 from .pool_lookup import pool_continuation
@@ -116,7 +116,7 @@ def _next_token(logits: torch.Tensor, params: SamplingParams, generator: torch.G
 
 
 def prefill(target, draft: DraftHead | None, prompt_ids, settings: DecodeSettings,
-            layer_ids: Sequence[int] | None = None) -> Session:
+            layer_ids: Sequence[int] | None = None, cost: VerifyCost | None = None) -> Session:
     """Run the target over the prompt [1, P] (-> its next token x_P) and the draft's step 0
     over anchors 0..P-1 (tokens x_1..x_P), filling both caches and the pool."""
     prompt = _as_prompt(prompt_ids, target.device)
@@ -135,7 +135,7 @@ def prefill(target, draft: DraftHead | None, prompt_ids, settings: DecodeSetting
         state = DraftState(draft, capacity=2 * prompt.shape[1] + 64)
         draft_extend(draft, state, aux, torch.cat([prompt[:, 1:], torch.tensor([[first]], device=prompt.device)], 1),
                      start=0)
-    cost = measured_cost(target) if settings.verify == "auto" else VerifyCost.flat()
+    cost = cost if settings.verify == "auto" and cost is not None else VerifyCost.flat()
     session = Session(capture, cache, state, torch.zeros(2 * prompt.shape[1] + 64, dtype=torch.long),
                       0, generator, cost)
     session.append(prompt[0].tolist() + [first])
@@ -221,23 +221,24 @@ def cut(tokens: list[int], eos: set[int], max_new_tokens: int) -> tuple[list[int
 
 def generate(target, draft: DraftHead | None, prompt_ids, max_new_tokens: int, settings: DecodeSettings = DecodeSettings(),
              eos_ids: int | Sequence[int] | None = None, layer_ids: Sequence[int] | None = None,
-             on_tokens: Callable[[list[int]], None] | None = None) -> GenerationResult:
+             on_tokens: Callable[[list[int]], None] | None = None, cost: VerifyCost | None = None) -> GenerationResult:
     """Speculative decoding of one prompt ([P] or [1, P] ids).
 
     ``draft`` None: prompt lookup only (or plain decoding). ``eos_ids``: stop after any of
     these (None: the target's ``generation_config``, as ``target.generate`` does; ``()``:
     never). ``layer_ids``: the target layers the draft was trained on (None: the draft's
     ``aux_layer_ids``, else ``default_layer_ids``). ``on_tokens`` receives each
-    iteration's new tokens (streaming). The last iteration may accept past
-    ``max_new_tokens``; the surplus is cut."""
+    iteration's new tokens (streaming). ``cost``: the target's forward time per token
+    count, which ``verify: auto`` weighs candidates against (:func:`.cpu_tuning.tune`
+    measures it); None counts every size alike, so every likely candidate is verified
+    (an accelerator's regime). The last iteration may accept past ``max_new_tokens``; the
+    surplus is cut."""
     if max_new_tokens < 1:
         raise ValueError(f"need max_new_tokens >= 1, got {max_new_tokens}")
     eos = stop_ids(target, eos_ids)
-    if settings.verify == "auto":
-        measured_cost(target)  # once per model and process, before the clock: not this prompt's time
     begin = time.perf_counter()
     with torch.inference_mode():
-        session = prefill(target, draft, prompt_ids, settings, layer_ids)
+        session = prefill(target, draft, prompt_ids, settings, layer_ids, cost)
         result = GenerationResult(tokens=[session.last_token], target_forwards=1)
         result.tokens, done = cut(result.tokens, eos, max_new_tokens)
         _emit(on_tokens, result.tokens)

@@ -19,8 +19,6 @@ it never evicts position t - size while t is still drafting.
 
 from __future__ import annotations
 
-import time
-
 import torch
 
 from ..models.draft_head import DraftHead
@@ -55,11 +53,6 @@ class DraftState:
         self.keys = torch.cat([self.keys, grow], dim=2)
         self.values = torch.cat([self.values, torch.zeros_like(grow)], dim=2)
 
-    def write(self, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        """k, v [B, nkv, N, d] into slots start..start+N-1."""
-        self.reserve(start + k.shape[2])
-        self.keys[:, :, start:start + k.shape[2]] = k
-        self.values[:, :, start:start + v.shape[2]] = v
 
 
 def _chunk_mask(past: int, n: int, device) -> torch.Tensor:
@@ -78,9 +71,9 @@ def draft_extend(draft: DraftHead, state: DraftState, aux: torch.Tensor, next_to
     b, n = next_tokens.shape
     positions = torch.arange(start, start + n, device=next_tokens.device).expand(b, n)
     hidden = draft.fuse_features(aux)
-    current, k, v = draft.forward_cached(hidden, next_tokens, positions, state.keys[:, :, :start],
-                                         state.values[:, :, :start], _chunk_mask(start, n, hidden.device))
-    state.write(start, k, v)
+    state.reserve(start + n)
+    current = draft.forward_cached(hidden, next_tokens, positions, state.keys, state.values, start,
+                                   _chunk_mask(start, n, hidden.device))
     state.length = start + n
     fused = current
     if state.pool is not None:
@@ -94,26 +87,3 @@ def draft_extend(draft: DraftHead, state: DraftState, aux: torch.Tensor, next_to
         state.pool.push(extra[:, :-1], extra_pos[:, :-1])
         state.pending = current[:, -1:]
     state.anchor_state, state.anchor_pos = fused[:, -1:], start + n - 1
-
-
-def draft_extend_timer(draft: DraftHead, context: int = 256, repeats: int = 3):
-    """-> time(n): seconds (best of ``repeats``) of :func:`draft_extend` over n anchors after
-    ``context`` cached ones, on random features (to choose the draft's GEMM forms)."""
-    state = DraftState(draft, capacity=context + 128)
-    vocab = draft.cfg.vocab_size
-    aux = torch.randn(1, context + 64, draft.fc.in_features, dtype=draft.fc.weight.dtype)
-    ids = torch.randint(0, vocab, (1, context + 64))
-    with torch.inference_mode():
-        draft_extend(draft, state, aux[:, :context], ids[:, :context], 0)
-
-    def time_extend(n: int) -> float:
-        best = float("inf")
-        with torch.inference_mode():
-            for _ in range(repeats):
-                start = time.perf_counter()
-                draft_extend(draft, state, aux[:, context:context + n], ids[:, context:context + n], context)
-                best = min(best, time.perf_counter() - start)
-                state.length = context  # forget the timed anchors
-        return best
-
-    return time_extend

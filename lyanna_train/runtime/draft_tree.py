@@ -82,9 +82,9 @@ def _expand(draft: DraftHead, state: DraftState, parent_states: torch.Tensor, to
     for i, slots in enumerate(ancestor_slots):
         mask[0, 0, i, slots] = True
         mask[0, 0, i, first + i] = True
-    current, k, v = draft.forward_cached(draft.carry(parent_states[None]), ids, positions,
-                                         state.keys[:, :, :first], state.values[:, :, :first], mask)
-    state.write(first, k, v)
+    state.reserve(first + n)
+    current = draft.forward_cached(draft.carry(parent_states[None]), ids, positions, state.keys, state.values, first,
+                                   mask)
     state.scratch = first + n
     if state.pool is None:
         return current[0]

@@ -18,9 +18,15 @@ Measured on SmolLM2, 2 cores (Zen 4), one target forward after 256 cached tokens
     oneDNN, packed        20    24    25    32    37
     best form per count   20    24    25    30    37   (padding: 7 and 8 run as 9)
 
-Which form wins depends on the machine, and timing one layer alone misleads (its weight
-stays in cache, unlike in a forward over the whole model), so :func:`choose_forms` times
-whole forwards. All forms compute the same product, up to float summation order.
+Which form wins depends on the machine, so :mod:`.cpu_tuning` chooses them by timing whole
+forwards. All forms compute the same product, up to float summation order.
+
+The forms are set on a model in place: each ``nn.Linear``'s class becomes
+:class:`SmallBatchLinear` (same object, parameters, hooks and state dict; tied weights stay
+tied), which ``use_small_batch_linears(model, False)`` undoes. ``torch.compile`` with
+inductor's CPU freezing (weights prepacked for oneDNN/MKL) is the library route to the
+same end; ``bench/compiled_linears.py`` measures both on the target's verify forward (see
+the README for the figures and why these forms are kept).
 
 Applied to the target by the CLIs and the benchmark *for every method*, the plain
 ``target.generate`` baseline included, so speedups compare like with like. CUDA models are
@@ -29,7 +35,6 @@ left alone (cuBLAS has no such cliff).
 
 from __future__ import annotations
 
-import weakref
 from contextlib import contextmanager
 from typing import Callable, Iterator
 
@@ -51,20 +56,20 @@ def _onednn(x2: torch.Tensor, layer: torch.nn.Linear) -> torch.Tensor:
     return torch.ops.mkldnn._linear_pointwise(x2, layer.weight, None, "none", [], "")
 
 
-# layer -> (weight version, the weight in oneDNN's blocked layout). Outside the module: an
-# opaque oneDNN tensor cannot be deep-copied or saved, and the state dict stays as it was.
-_packed: "weakref.WeakKeyDictionary[torch.nn.Linear, tuple[int, torch.Tensor]]" = weakref.WeakKeyDictionary()
+PACKED = "_packed_weight"  # attribute: (weight version, the weight in oneDNN's blocked layout)
 
 
 def packed_weight(layer: torch.nn.Linear) -> torch.Tensor:
     """The layer's weight reordered once into oneDNN's blocked layout (redone if the weight
-    changed in place): no per-call reorder, so few rows stream it at full memory speed."""
+    changed in place): no per-call reorder, so few rows stream it at full memory speed.
+    Kept on the module as a plain attribute: not in the state dict, and dropped when the
+    module is copied or pickled (an opaque oneDNN tensor can be neither; it is re-made)."""
     version = layer.weight._version
-    entry = _packed.get(layer)
+    entry = layer.__dict__.get(PACKED)
     if entry is None or entry[0] != version:
         with torch.inference_mode(False), torch.no_grad():
             entry = version, torch.ops.mkldnn._reorder_linear_weight(layer.weight.detach(), 4)
-        _packed[layer] = entry
+        layer.__dict__[PACKED] = entry
     return entry[1]
 
 
@@ -88,6 +93,11 @@ class SmallBatchLinear(torch.nn.Linear):
 
     forms: list[tuple[str, int]]
 
+    def __getstate__(self):
+        state = dict(super().__getstate__())  # a copy: the default hands out the live __dict__
+        state.pop(PACKED, None)
+        return state
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
         form, padded = self.forms[rows] if rows <= MAX_ROWS else ("linear", rows)
@@ -104,11 +114,11 @@ class SmallBatchLinear(torch.nn.Linear):
 
 def use_small_batch_linears(model: torch.nn.Module, enabled: bool = True) -> list[tuple[str, int]] | None:
     """Turn every ``nn.Linear`` of a CPU ``model`` into a :class:`SmallBatchLinear` (plain
-    ``F.linear`` until :func:`choose_forms`) -> the shared form list; ``enabled=False`` turns
-    them back. None for a model not on the CPU."""
+    ``F.linear`` until the forms are chosen) -> the form list they share; ``enabled=False``
+    turns them back. None for a model not on the CPU. Called again, it keeps the list."""
     if any(p.device.type != "cpu" for p in model.parameters()):
         return None
-    forms = [("linear", rows) for rows in range(MAX_ROWS + 1)]
+    forms = small_batch_forms(model) or [("linear", rows) for rows in range(MAX_ROWS + 1)]
     for module in model.modules():
         if enabled and type(module) is torch.nn.Linear:
             module.__class__ = SmallBatchLinear
@@ -116,7 +126,7 @@ def use_small_batch_linears(model: torch.nn.Module, enabled: bool = True) -> lis
         elif not enabled and type(module) is SmallBatchLinear:
             module.__class__ = torch.nn.Linear
             del module.forms
-            _packed.pop(module, None)
+            module.__dict__.pop(PACKED, None)
     return forms if enabled else None
 
 
@@ -143,27 +153,4 @@ def release_unused_packing(model: torch.nn.Module) -> None:
     forms = small_batch_forms(model)
     if forms is None or all(form != "onednn_packed" for form, _ in forms):
         for module in model.modules():
-            _packed.pop(module, None)
-
-
-def choose_forms(forms: list[tuple[str, int]], time_forward: Callable[[int], float], sizes) -> list[float]:
-    """Time a whole forward ``time_forward(rows)`` (seconds) in each form at each row count
-    of ``sizes`` (increasing, from 1); then give every count up to MAX_ROWS the fastest
-    (form, measured count >= it) -> the resulting seconds at each of ``sizes``. Counts past
-    the largest measured one keep ``F.linear``."""
-    if sizes[0] != 1:
-        raise ValueError("sizes must start at 1")
-    timed = {}  # (form, rows) -> seconds
-    for rows in sizes:
-        for form in FORMS if rows <= MAX_ROWS else ("linear",):
-            if rows <= MAX_ROWS:
-                forms[rows] = (form, rows)
-            timed[form, rows] = time_forward(rows)
-    best = None
-    for rows in range(MAX_ROWS, 0, -1):  # the cheapest choice among counts >= rows
-        here = [key for key in timed if key[1] == rows]
-        if here:
-            fastest = min(here, key=timed.get)
-            best = fastest if best is None or timed[fastest] <= timed[best] else best
-        forms[rows] = best or ("linear", rows)  # past the largest measured count: untouched
-    return [timed[forms[rows]] if rows <= MAX_ROWS else timed["linear", rows] for rows in sizes]
+            module.__dict__.pop(PACKED, None)

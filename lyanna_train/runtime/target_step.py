@@ -5,7 +5,7 @@ accepted token but the last one: that token's logits and features come out of th
 :func:`verify`, in the same forward as the drafted tokens that follow it.
 
 The draft consumes the target's "aux" features (the outputs of three decoder layers,
-``lyanna_train.data.features``' convention), so every target forward here also captures
+``lyanna_train.target.capture``'s convention), so every target forward here also captures
 them at each position it computes, with forward hooks, with the same :class:`LayerCapture` the feature extractor uses.
 """
 
@@ -17,7 +17,7 @@ from typing import Sequence
 import torch
 from transformers import DynamicCache
 
-from ..data.features import LayerCapture
+from ..target.capture import LayerCapture
 
 
 def _cache_kwarg(target) -> str:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 from safetensors import safe_open
 
-from ..data.batching import length_grouped_batches
+from ..data.batching import collate, length_grouped_batches, pad_right
 from ..data.feature_cache import FEATURE_KEYS, FeatureCache, shard_path
 
 
@@ -79,13 +79,6 @@ def first_tokens(shard_lengths: list[list[int]], max_tokens: int | None) -> list
     return out
 
 
-def pad_rows(rows: list[torch.Tensor], width: int) -> torch.Tensor:
-    out = rows[0].new_zeros((len(rows), width, *rows[0].shape[1:]))
-    for i, r in enumerate(rows):
-        out[i, : len(r)] = r
-    return out
-
-
 class CachedBatches:
     """Materialises :class:`BatchRef` batches from a feature cache, one shard in memory."""
 
@@ -98,10 +91,9 @@ class CachedBatches:
             self._shard, self._tensors = ref.shard, self.cache.load_shard(ref.shard)
         t = self._tensors
         spans = [(int(t["offsets"][j]), int(t["offsets"][j + 1])) for j in ref.rows]
-        width = max(b - a for a, b in spans)
-        batch = {key: pad_rows([t[key][a:b] for a, b in spans], width) for key in FEATURE_KEYS if key in t}
-        batch["input_ids"] = pad_rows([t["input_ids"][a:b].long() for a, b in spans], width)
-        batch["valid"] = pad_rows([torch.ones(b - a, dtype=torch.bool) for a, b in spans], width)
+        batch = {key: pad_right([t[key][a:b] for a, b in spans]) for key in FEATURE_KEYS if key in t}
+        batch["input_ids"] = pad_right([t["input_ids"][a:b] for a, b in spans], dtype=torch.int64)
+        batch["valid"] = pad_right([torch.ones(b - a, dtype=torch.bool) for a, b in spans])
         return batch
 
 
@@ -112,13 +104,8 @@ class OnlineBatches:
         self.samples, self.extractor, self.pad_id = samples, extractor, pad_id
 
     def __call__(self, ref: BatchRef) -> dict[str, torch.Tensor]:
-        chosen = [self.samples[i] for i in ref.rows]
-        width = max(len(s) for s in chosen)
-        ids = torch.full((len(chosen), width), self.pad_id, dtype=torch.int64)
-        mask = torch.zeros((len(chosen), width), dtype=torch.bool)
-        valid = torch.zeros((len(chosen), width), dtype=torch.bool)
-        for i, s in enumerate(chosen):
-            ids[i, : len(s)], mask[i, : len(s)], valid[i, : len(s)] = s.input_ids, s.loss_mask, True
-        feats = self.extractor(ids, valid.long())
+        batch = collate([self.samples[i] for i in ref.rows], self.pad_id)
+        feats = self.extractor(batch["input_ids"], batch["attention_mask"].long())
         # inference-mode tensors cannot enter autograd: clone them into ordinary ones
-        return {"aux": feats.aux.clone(), "last": feats.last.clone(), "input_ids": ids, "loss_mask": mask, "valid": valid}
+        return {"aux": feats.aux.clone(), "last": feats.last.clone(), "input_ids": batch["input_ids"],
+                "loss_mask": batch["loss_mask"], "valid": batch["attention_mask"]}

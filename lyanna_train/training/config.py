@@ -57,7 +57,7 @@ class HotVocabConf:
 @dataclass
 class DataConf:
     corpus: list = field(default_factory=lambda: ["sharegpt"])  # training corpora (never mtbench)
-    max_length: int = 1024  # tokens per sample (longer ones keep their head)
+    max_length: int = 2048  # tokens per sample (longer ones keep their head; data.samples.MAX_LENGTH)
     max_samples: Optional[int] = None  # use only the first N samples
     features: str = "cached"  # cached: precompute target features once; online: inside each step
     cache_dir: Optional[str] = None  # feature cache; None = <train.out_dir>/features
@@ -92,7 +92,7 @@ class TrainConf:
     log_every: int = 10  # steps between logged metrics (the only host syncs)
     save_every: int = 200  # steps between checkpoints (0 = only at the end)
     keep_last: int = 2  # checkpoints kept
-    resume: str = "auto"  # auto: latest complete checkpoint in out_dir; never; or a checkpoint path
+    resume: str = "auto"  # auto: latest checkpoint, same config only; force: continue it with a changed one; never; or a path
     threads: Optional[int] = None  # torch CPU threads per rank (None = torch's default)
     # the draft's forward and losses under torch.autocast in this dtype (master weights and
     # optimizer stay fp32); bfloat16 trains ~3x faster on CPUs with AVX512-BF16 / AMX
@@ -150,10 +150,12 @@ class Config:
     eval: EvalConf = field(default_factory=EvalConf)
 
 
-def validate(cfg) -> None:
-    """Every field against its allowed range, then the cross-field checks, then the paths the run reads.
+def validate(cfg, paths: bool = True) -> None:
+    """Every field against its allowed range, then the cross-field checks, then (``paths``)
+    the paths the run reads and the refusal of evaluation sets as training data.
 
     Raises :class:`LyannaError` naming the offending field; runs before any work.
+    ``paths=False`` checks a config written for another machine (a recipe's header command).
     """
     from .validation import check_paths, check_values
 
@@ -167,9 +169,13 @@ def validate(cfg) -> None:
         bad("draft.init_from and draft.target_init are alternatives: a head to fine-tune is already initialised")
     if cfg.data.batch_tokens < cfg.data.max_length:
         bad(f"data.batch_tokens ({cfg.data.batch_tokens}) must hold one sample of data.max_length ({cfg.data.max_length})")
-    if "mtbench" in [str(c) for c in cfg.data.corpus]:
-        bad("data.corpus includes mtbench, the evaluation set: it is for measuring, not training")
+    if not paths:
+        return
+    from ..data.corpus import Corpus
+    from ..data.samples import refuse_evaluation_sets
+
     check_paths(cfg)
+    refuse_evaluation_sets(Corpus.resolve([str(c) for c in cfg.data.corpus]))  # the data stage's own check, early
 
 
 def register() -> None:

@@ -95,10 +95,6 @@ class Engine:
         return self.engine.module
 
     @property
-    def is_main(self) -> bool:
-        return self.rank == 0
-
-    @property
     def lr(self) -> float:
         return self.optimizer.param_groups[0]["lr"]
 
@@ -118,13 +114,14 @@ class Engine:
         A run folder may come from someone else: a ``.pt`` file there must never run code.
         DeepSpeed reads its files through its checkpoint engine with ``weights_only=False``;
         here that engine is swapped for one that loads ``weights_only=True``, and
-        ``TORCH_FORCE_WEIGHTS_ONLY_LOAD`` covers any other ``torch.load`` on the way.
+        ``TORCH_FORCE_WEIGHTS_ONLY_LOAD`` covers any other ``torch.load`` on the way. Only
+        DeepSpeed's own plain records are allowed beside tensors (:func:`_deepspeed_records`).
         """
         where = os.path.join(str(root), tag)
         if not isinstance(self.engine.checkpoint_engine, _WeightsOnlyLoads):
             self.engine.checkpoint_engine = _WeightsOnlyLoads(self.engine.checkpoint_engine)
         try:
-            with _force_weights_only():
+            with _force_weights_only(), torch.serialization.safe_globals(_deepspeed_records()):
                 _, client_state = self.engine.load_checkpoint(str(root), tag=tag, load_optimizer_states=True,
                                                               load_lr_scheduler_states=True)
         except pickle.UnpicklingError as err:
@@ -171,6 +168,27 @@ class Engine:
             torch.distributed.all_reduce(stacked)
             stacked /= self.world_size
         return dict(zip(keys, stacked.tolist()))
+
+
+def _deepspeed_records() -> list:
+    """The few DeepSpeed classes its ZeRO optimizer files hold: plain records, safe to rebuild.
+
+    (``fragment_address`` is a two-int dataclass, ``ZeroStageEnum`` an IntEnum, the loss
+    scalers hold a scale and counters.) Allowing them by name lets ``weights_only`` read
+    ZeRO 1/2 and bf16-ZeRO checkpoints; any other global is still refused.
+    """
+    import importlib
+
+    found = []
+    for module, name in (("deepspeed.utils.tensor_fragment", "fragment_address"),
+                         ("deepspeed.runtime.zero.config", "ZeroStageEnum"),
+                         ("deepspeed.runtime.fp16.loss_scaler", "LossScaler"),
+                         ("deepspeed.runtime.fp16.loss_scaler", "DynamicLossScaler")):
+        try:
+            found.append(getattr(importlib.import_module(module), name))
+        except (ImportError, AttributeError):  # another DeepSpeed version: that record is then refused
+            pass
+    return found
 
 
 @contextlib.contextmanager

@@ -39,7 +39,7 @@ def _set_rng_state(state: dict) -> None:
 def evaluate(cfg, parts, draft, agreement=None) -> dict:
     """Mean acceptance length τ of the current head under chain drafting (the runtime's code),
     and its teacher-forced top-1 agreement on held-out and training samples."""
-    from ..runtime.eval import mean_acceptance
+    from ..evaluation.acceptance import mean_acceptance
 
     out = {}
     if agreement is not None:

@@ -7,6 +7,7 @@ so a resumed or repeated run starts in seconds.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -111,8 +112,16 @@ def eval_prompts(cfg, tokenizer) -> list[list[int]]:
     return prompts
 
 
+def draft_overrides(draft_conf) -> dict:
+    """The ``draft`` group's fields that are :class:`DraftConfig` fields (shapes and the
+    Lyanna switches), by name, so the list of fields is the dataclass's own; any other
+    field of the group is a training setting, not part of the head's config."""
+    names = {f.name for f in dataclasses.fields(DraftConfig)}
+    return {k: v for k, v in dict(draft_conf).items() if k in names}
+
+
 def build_parts(cfg, out_dir: Path, is_main: bool) -> RunParts:
-    from ..data.features import check_layer_ids, default_layer_ids
+    from ..target.capture import check_layer_ids, default_layer_ids
 
     tokenizer = load_tokenizer(cfg.target.name)
     target = load_target_model(cfg.target.name, dtype=getattr(torch, cfg.target.dtype))
@@ -121,18 +130,14 @@ def build_parts(cfg, out_dir: Path, is_main: bool) -> RunParts:
     layers = target.config.num_hidden_layers
     layer_ids = check_layer_ids(cfg.target.aux_layers or default_layer_ids(layers), layers)
     hot_ids = hot_vocabulary(cfg, tokenizer, out_dir, is_main)
-    d = cfg.draft
-    draft_cfg = DraftConfig.from_target(
-        target.config, len(hot_ids), hidden_size=d.hidden_size, intermediate_size=d.intermediate_size,
-        num_attention_heads=d.num_attention_heads, num_key_value_heads=d.num_key_value_heads, head_dim=d.head_dim,
-        pool_size=d.pool_size, pool_threshold=d.pool_threshold, alpha_max=d.alpha_max, gate_hidden=d.gate_hidden,
-        other_bucket=cfg.loss.out_of_vocab == "other", num_aux_layers=len(layer_ids),
-        aux_layer_ids=tuple(layer_ids), norm_before_residual=d.norm_before_residual, aux_scale=d.aux_scale)
+    draft_cfg = DraftConfig.from_target(target.config, len(hot_ids), **draft_overrides(cfg.draft),
+                                        other_bucket=cfg.loss.out_of_vocab == "other", num_aux_layers=len(layer_ids),
+                                        aux_layer_ids=tuple(layer_ids))
     torch.manual_seed(cfg.train.seed)
     draft = DraftHead(draft_cfg, hot_ids, target.get_input_embeddings().weight)
-    init = d.target_init
+    init = cfg.draft.target_init
     init_from_target(draft, target, lm_head=init.lm_head, layer=init.layer, fc=init.fc)
-    if d.freeze_lm_head:
+    if cfg.draft.freeze_lm_head:
         draft.lm_head.weight.requires_grad_(False)
     lm_weight = target.get_output_embeddings().weight.detach()
     return RunParts(tokenizer, target, hot_ids, draft, lm_weight, layer_ids, eval_prompts(cfg, tokenizer))

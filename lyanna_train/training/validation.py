@@ -215,6 +215,8 @@ def check_paths(cfg) -> None:
                 raise LyannaError(f"config: {name}: {err}") from None
     if cfg.hotvocab.path is not None and not cfg.hotvocab.full_vocab and not Path(cfg.hotvocab.path).exists():
         raise LyannaError(f"config: hotvocab.path = {cfg.hotvocab.path!r} does not exist")
+    if cfg.draft.init_from is not None and not Path(cfg.draft.init_from).is_dir():
+        raise LyannaError(f"config: draft.init_from = {cfg.draft.init_from!r} is not an export directory")
     if cfg.train.resume not in ("auto", "never", "force") and not Path(cfg.train.resume).is_dir():
         raise LyannaError(f"config: train.resume = {cfg.train.resume!r} is not allowed "
                           f"(allowed: {RULES['train.resume'].allowed}; that path does not exist)")

@@ -26,7 +26,7 @@ def test_bench_checks_out_before_running_the_benchmark(read_only_dir, monkeypatc
     def started(*args, **kwargs):
         raise AssertionError("the benchmark started although its results could not be written")
 
-    monkeypatch.setattr(bench, "load_models", started)
+    monkeypatch.setattr(bench, "load_and_tune", started)
     out = read_only_dir / "bench"
     code = bench.main(["--target", "smollm2", "--methods", "target", "--num-prompts", "1", "--out", str(out)])
     line = _one_error_line(capsys.readouterr().err, "lyanna-bench")

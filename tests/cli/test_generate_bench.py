@@ -11,10 +11,11 @@ import pytest
 import torch
 
 from lyanna_train.cli.bench import main as bench_main
-from lyanna_train.cli.decode_config import load_decode_settings
+from lyanna_train.runtime.settings import load_decode_settings
 from lyanna_train.cli.generate import RunStreamer, main as generate_main
 from lyanna_train.errors import LyannaError
-from lyanna_train.runtime import benchmark as B
+from lyanna_train.evaluation import benchmark as B
+from lyanna_train.evaluation.prompts import Question, read_questions, render_prompt
 from lyanna_train.runtime.decode import DecodeSettings, GenerationResult
 
 H = 64
@@ -96,7 +97,7 @@ def records(target, tokenizer, export_dir):
     draft, _ = load_exported(export_dir, target, tokenizer)
     methods = B.make_methods(["target", "pld", "lyanna", "lookup"], target, draft, load_decode_settings("default"))
     out: dict = {m: [] for m in methods}
-    questions = [B.Question(d["question_id"], d["category"], tuple(d["turns"])) for d in QUESTIONS]
+    questions = [Question(d["question_id"], d["category"], tuple(d["turns"])) for d in QUESTIONS]
     for i, q in enumerate(questions):
         for m, rec in B.run_question(q, methods, tokenizer, 12, turns=2, rotate=i).items():
             out[m].append(rec)
@@ -128,23 +129,23 @@ def test_decode_presets_and_overrides():
 
 
 def test_read_questions_accepts_every_prompt_form_and_names_a_bad_line(tmp_path):
-    mtbench = B.read_questions("mtbench")
+    mtbench = read_questions("mtbench")
     assert len(mtbench) == 80 and all(len(q.turns) == 2 for q in mtbench) and mtbench[0].category == "writing"
-    humaneval = B.read_questions("humaneval", limit=3)
+    humaneval = read_questions("humaneval", limit=3)
     assert len(humaneval) == 3 and humaneval[0].question_id == "HumanEval/0"
-    spread = B.read_questions("mtbench", limit=8)  # every category, not the first eight writing prompts
+    spread = read_questions("mtbench", limit=8)  # every category, not the first eight writing prompts
     assert len({q.category for q in spread}) == 8
     path = tmp_path / "mixed.jsonl"
     path.write_text('{"turns": ["a", "b"]}\n\n{"prompt": "c"}\n{"text": "d", "category": "x"}\n{"instruction": "e"}\n')
-    assert [q.turns for q in B.read_questions(str(path))] == [("a", "b"), ("c",), ("d",), ("e",)]
-    assert B.read_questions(str(path))[2].category == "x"
+    assert [q.turns for q in read_questions(str(path))] == [("a", "b"), ("c",), ("d",), ("e",)]
+    assert read_questions(str(path))[2].category == "x"
     txt = tmp_path / "p.txt"
     txt.write_text("first\nprompt\n\n\nsecond\n")
-    assert [q.turns for q in B.read_questions(str(txt))] == [("first\nprompt",), ("second",)]
+    assert [q.turns for q in read_questions(str(txt))] == [("first\nprompt",), ("second",)]
     for bad in ('{"turns": ["a"]}\n{"prompt": "cut', '{"turns": ["a"]}\n{"answer": "no prompt"}', '{"turns": ["a"]}\n[1, 2]', '{"turns": ["a"]}\n{"turns": [3]}'):
         path.write_text(bad)
         with pytest.raises(LyannaError, match=rf"{path}:2: "):
-            B.read_questions(str(path))
+            read_questions(str(path))
 
 
 def test_records_follow_spec_bench_and_summary_has_every_figure(records, tokenizer):
@@ -214,8 +215,8 @@ def test_bench_cli_writes_results_and_exit_status(tmp_path, export_dir, prompts_
 
     real = B.runtime_method
 
-    def corrupted(target, draft, settings):  # the lyanna runs emit a wrong first token
-        method = real(target, draft, settings)
+    def corrupted(target, draft, settings, cost=None):  # the lyanna runs emit a wrong first token
+        method = real(target, draft, settings, cost)
 
         def run(prompt, max_new_tokens):
             r = method(prompt, max_new_tokens)
@@ -256,7 +257,7 @@ def test_generate_streams_exactly_the_decoded_tokens(source, export_dir, target,
         argv.append("Write about tea.")
     assert generate_main(argv) == 0
     captured = capsys.readouterr()
-    prompt = B.render_prompt(tokenizer, [{"role": "user", "content": "Write about tea."}])
+    prompt = render_prompt(tokenizer, [{"role": "user", "content": "Write about tea."}])
     ref = target.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False, pad_token_id=0)
     assert captured.out == tokenizer.decode(ref[0, len(prompt):], skip_special_tokens=True) + "\n"
     assert "24 new tokens" in captured.err and "tok/s" in captured.err and "τ" in captured.err
@@ -291,23 +292,23 @@ def test_summary_line_reports_speed_tau_and_histogram():
 
 
 @pytest.mark.slow
-def test_bench_on_smollm2_is_lossless(tmp_path, smollm2_tokenizer, capsys):
+def test_bench_on_smollm2_is_lossless_with_accepted_draft_tokens(tmp_path, smollm2_fitted, smollm2_tokenizer, capsys):
+    """The CLI end to end on the real target, with a head whose draft tokens are accepted
+    (``smollm2_fitted``) on the prompts it was fitted to: the lossless verdict covers
+    verified and kept draft nodes."""
     from lyanna_train.export.writer import export_checkpoint
-    from lyanna_train.models.config import DraftConfig
-    from lyanna_train.models.draft_head import DraftHead
-    from lyanna_train.target.model import load_target_model
     from lyanna_train.training.checkpoint import write_draft_weights
 
-    target = load_target_model("smollm2")
-    torch.manual_seed(0)
-    cfg = DraftConfig.from_target(target.config, draft_vocab_size=2048, pool_size=128, pool_threshold=0.0)
-    draft = DraftHead(cfg, torch.randperm(target.config.vocab_size)[:2048], target.get_input_embeddings().weight)
     ckpt = tmp_path / "run" / "checkpoints" / "step-00000001"
     ckpt.mkdir(parents=True)
-    write_draft_weights(ckpt, draft.eval(), {"target": "smollm2"})
-    export_checkpoint(tmp_path / "run", tmp_path / "export", target=target, tokenizer=smollm2_tokenizer,
-                      say=lambda *_: None)
-    argv = ["--draft", str(tmp_path / "export"), "--num-prompts", "2", "--turns", "1", "--max-new-tokens", "16",
-            "--out", str(tmp_path / "bench")]
+    write_draft_weights(ckpt, smollm2_fitted.draft, {"target": "smollm2", "layer_ids": [1, 14, 26]})
+    export_checkpoint(tmp_path / "run", tmp_path / "export", target=smollm2_fitted.target,
+                      tokenizer=smollm2_tokenizer, say=lambda *_: None)
+    prompts = tmp_path / "fitted.txt"
+    prompts.write_text("\n\n".join(smollm2_tokenizer.decode(p) for p in smollm2_fitted.prompts) + "\n")
+    argv = ["--draft", str(tmp_path / "export"), "--prompts", str(prompts), "--turns", "1", "--no-chat",
+            "--max-new-tokens", "24", "--decode", "chain", "--methods", "target,lyanna", "--out", str(tmp_path / "bench")]
     assert bench_main(argv) == 0
     assert "lossless: yes (2/2 prompts identical)" in capsys.readouterr().out
+    lyanna = json.loads((tmp_path / "bench" / "summary.json").read_text())["methods"]["lyanna"]
+    assert lyanna["accept_rate"][0] > 0.5 and lyanna["tau"] > 2  # draft tokens verified and kept

@@ -8,7 +8,8 @@ import json
 import pytest
 import torch
 
-from lyanna_train.data.feature_cache import FeatureCache, FeatureDataset, collate_features, shard_path
+from lyanna_train.data.batching import pad_right
+from lyanna_train.data.feature_cache import FeatureCache, shard_path
 from lyanna_train.data.feature_cache_writer import CacheSettings, build_feature_cache
 from lyanna_train.data.features import FeatureExtractor
 from lyanna_train.data.samples import Sample
@@ -23,7 +24,8 @@ SETTINGS = CacheSettings(max_length=40, shard_tokens=150, batch_tokens=96)
 
 
 def _samples(n: int = 36) -> list[Sample]:
-    """Variable lengths (some cut at max_length), some without any loss token (skipped)."""
+    """Variable lengths (some cut at max_length, as building samples does), some without any
+    loss token (skipped)."""
     g = torch.Generator().manual_seed(0)
     out = []
     for i in range(n):
@@ -33,7 +35,7 @@ def _samples(n: int = 36) -> list[Sample]:
         if i % 7 != 3:  # every 7th sample has no assistant token
             start = int(torch.randint(0, length, (1,), generator=g))
             mask[start:] = True
-        out.append(Sample(100 + i, ids, mask))
+        out.append(Sample(100 + i, ids[: SETTINGS.max_length], mask[: SETTINGS.max_length]))
     return out
 
 
@@ -82,7 +84,7 @@ def test_round_trip_matches_direct_features(reference_cache, tiny_target, smollm
     assert manifest["totals"]["samples"] == len(kept) and manifest["totals"]["skipped_no_loss_tokens"] == len(samples) - len(kept) == 6
     assert manifest["layers"]["ids"] == list(LAYERS) and manifest["dtype"] == "bfloat16"
     fx = FeatureExtractor(tiny_target, LAYERS)
-    read = list(FeatureDataset(cache))
+    read = list(cache.iter_samples())
     assert [r["index"] for r in read] == [s.index for s in kept]
     for r, s in zip(read, kept):
         ids, mask = s.input_ids[: SETTINGS.max_length], s.loss_mask[: SETTINGS.max_length]
@@ -97,10 +99,12 @@ def test_round_trip_matches_direct_features(reference_cache, tiny_target, smollm
     on_disk = sum((out / "shards" / f).stat().st_size for f in _files(out) if f.endswith(".safetensors"))
     assert result.bytes_written == on_disk
     assert on_disk / result.tokens_computed == pytest.approx(manifest["bytes_per_token"], rel=0.2)
-    batch = collate_features(read[:4])
-    width = int(batch["lengths"].max())
-    assert batch["aux"].shape == (4, width, 192) and batch["last"].shape == (4, width, 64)
-    assert int(batch["loss_mask"].sum()) == sum(int(r["loss_mask"].sum()) for r in read[:4])
+    width = max(len(r["input_ids"]) for r in read[:4])
+    aux, mask = pad_right([r["aux"] for r in read[:4]]), pad_right([r["loss_mask"] for r in read[:4]])
+    assert aux.shape == (4, width, 192) and aux.dtype == torch.bfloat16 and mask.dtype == torch.bool
+    assert int(mask.sum()) == sum(int(r["loss_mask"].sum()) for r in read[:4])
+    torch.testing.assert_close(aux[0, : len(read[0]["aux"])], read[0]["aux"], rtol=0, atol=0)
+    assert not aux[0, len(read[0]["aux"]):].any()  # zeros after the row
 
 
 def test_interrupted_build_resumes_to_the_same_bytes(reference_cache, tmp_path, tiny_target, smollm2_tokenizer):  # noqa: F811
@@ -135,7 +139,7 @@ def test_corrupted_shard_is_refused_then_regenerated(reference_cache, tmp_path, 
     with pytest.raises(LyannaError, match="shard 2: checksum mismatch"):
         cache.verify()
     with pytest.raises(LyannaError, match="shard 2: checksum mismatch"):
-        list(FeatureDataset(cache))  # ... and every shard is checked as it is read
+        list(cache.iter_samples())  # ... and every shard is checked as it is read
     result, said = _build(_samples(), tiny_target, smollm2_tokenizer, out)
     assert "shard 2: checksum mismatch" in said and result.shards_written == 1
     assert _files(out) == _files(ref)
@@ -178,23 +182,18 @@ def test_shard_processes_cover_every_sample_once(reference_cache, tmp_path, tiny
     assert [r.complete for r in results] == [False, False, True]
     assert sum(r.shards_written for r in results) == results[0].shards_total
     assert _files(out) == _files(ref)  # the split changes who computes a shard, not its bytes
-    indexes = [r["index"] for r in FeatureDataset(FeatureCache(out))]
+    indexes = [r["index"] for r in FeatureCache(out).iter_samples()]
     kept = [s.index for s in _samples() if s.loss_mask[: SETTINGS.max_length].any()]
     assert sorted(indexes) == kept
-    # ranks (and DataLoader workers) split the shards: together they read every sample once
-    cache = FeatureCache(out)
-    ranks = [FeatureDataset(cache, shuffle=True, seed=3, rank=r, world_size=2) for r in range(2)]
-    read = [[x["index"] for x in ds] for ds in ranks]
-    assert sorted(read[0] + read[1]) == kept and read[0] != sorted(read[0])
-    for ds in ranks:
-        ds.set_epoch(1)
-    epoch1 = [[x["index"] for x in ds] for ds in ranks]
-    assert sorted(epoch1[0] + epoch1[1]) == kept and epoch1 != read
+
 
 
 def test_bad_inputs_are_refused(tmp_path, tiny_target, smollm2_tokenizer):  # noqa: F811
     with pytest.raises(TypeError, match="re-iterable"):
         _build(iter(_samples()), tiny_target, smollm2_tokenizer, tmp_path / "a")
+    long = Sample(7, torch.arange(3, 3 + SETTINGS.max_length + 1), torch.ones(SETTINGS.max_length + 1, dtype=torch.bool))
+    with pytest.raises(LyannaError, match="sample 7 has 41 tokens, more than max_length 40"):
+        _build([long], tiny_target, smollm2_tokenizer, tmp_path / "b")  # samples are cut once, when built
     with pytest.raises(LyannaError, match="--shard"):
         _build(_samples(), tiny_target, smollm2_tokenizer, tmp_path / "b", shard=(3, 3))
     with pytest.raises(LyannaError, match="no sample has any loss token"):
@@ -247,7 +246,7 @@ def test_cli_builds_resumes_and_reports_user_errors(tmp_path, tiny_llama_smollm2
     expected = list(itertools.islice(iter_samples(Corpus.resolve([str(corpus)]), smollm2_tokenizer,
                                                   SampleSettings(max_length=64)), 6))
     assert cache.num_samples == len(expected) >= 4 and cache.manifest["source"]["max_samples"] == 6
-    read = list(FeatureDataset(cache))
+    read = list(cache.iter_samples())
     assert [r["index"] for r in read] == [s.index for s in expected]
     assert all(torch.equal(r["input_ids"], s.input_ids) for r, s in zip(read, expected))
     assert cli.main(args) == 0 and "nothing to compute" in capsys.readouterr().out

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lyanna_train.data.features import FeatureExtractor, check_layer_ids, default_layer_ids, parse_layer_ids
+from lyanna_train.data.features import FeatureExtractor
+from lyanna_train.target.capture import default_layer_ids
 from lyanna_train.errors import LyannaError
 from lyanna_train.target.model import load_target_model, target_fingerprint
 
@@ -97,16 +98,6 @@ def test_default_layers_are_the_eagle3_capture_points(tmp_path):
     for h in handles:
         h.remove()
     torch.testing.assert_close(feats.aux, torch.cat([inputs[2], inputs[4], inputs[5]], dim=-1), rtol=0, atol=0)
-
-
-def test_layer_ids_are_validated():
-    assert check_layer_ids([2, 0, 1], 4) == (2, 0, 1)
-    assert parse_layer_ids("1, 14,26") == (1, 14, 26)
-    for bad, match in (([0, 3], "out of range"), ([-1], "out of range"), ([1, 1], "distinct"), ([], "at least one")):
-        with pytest.raises(LyannaError, match=match):
-            check_layer_ids(bad, 4)
-    with pytest.raises(LyannaError, match="comma-separated"):
-        parse_layer_ids("1,x")
 
 
 def test_load_errors_are_one_line(tmp_path, tiny_target_dir):

@@ -35,7 +35,7 @@ CONSUMERS = Path(os.environ.get("LYANNA_CONSUMERS", Path(sys.prefix) / "consumer
 V, H, LAYERS, T, STEPS = 256, 64, 8, 128, 3  # T: speculators' flex attention works in blocks of 128
 TOLERANCE = 1e-5
 
-pytestmark = [pytest.mark.usefixtures("one_thread"),
+pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.slow,  # probes in subprocesses
               pytest.mark.skipif(not (CONSUMERS / "speculators").is_dir(),
                                  reason=f"speculators is not installed in {CONSUMERS} (make install puts it there)")]
 

@@ -36,6 +36,14 @@ def test_shapes_and_gradients_reach_every_trainable_part():
     assert head.embed_weight.grad is None and "embed_weight" not in head.state_dict()
 
 
+def test_the_targets_embedding_table_is_shared_not_copied():
+    table = torch.randn(V, H)
+    head = DraftHead(make_head().cfg, torch.randperm(V)[:VD], table)
+    assert head.embed_weight.data_ptr() == table.data_ptr()
+    ids = torch.randint(0, V, (2, 5))
+    torch.testing.assert_close(head.embed(ids), table[ids], rtol=0, atol=0)
+
+
 def test_lyanna_parts_switch_off():
     no_pool = make_head(pool_size=0)
     assert no_pool.gate is None and not no_pool.cfg.pool_enabled
@@ -95,21 +103,17 @@ def test_training_forward_equals_step_by_step_serving(pool, variant):
     with torch.no_grad():
         train = head.forward_unrolled(aux, ids, steps)
         pool_buf = StatePool(b, 128, H)
-        cache_k = cache_v = None
+        keys, values = torch.zeros(b, 2, t + steps, 8), torch.zeros(b, 2, t + steps, 8)  # preallocated, written in place
         for anchor in range(t - steps - 1):
             pos = torch.full((b, 1), anchor)
-            current, k, v = head.forward_cached(head.fuse_features(aux[:, anchor:anchor + 1]), ids[:, anchor + 1:anchor + 2], pos,
-                                                cache_k, cache_v, torch.ones(b, 1, 1, anchor + 1, dtype=torch.bool))
-            cache_k = k if cache_k is None else torch.cat([cache_k, k], 2)
-            cache_v = v if cache_v is None else torch.cat([cache_v, v], 2)
-            chain_k, chain_v = cache_k, cache_v
+            current = head.forward_cached(head.fuse_features(aux[:, anchor:anchor + 1]), ids[:, anchor + 1:anchor + 2],
+                                          pos, keys, values, anchor, torch.ones(b, 1, 1, anchor + 1, dtype=torch.bool))
             state = current
             for j in range(steps):
-                if j:
-                    current, k, v = head.forward_cached(head.carry(state), ids[:, anchor + 1 + j:anchor + 2 + j], pos + j,
-                                                        chain_k, chain_v,
-                                                        torch.ones(b, 1, 1, chain_k.shape[2] + 1, dtype=torch.bool))
-                    chain_k, chain_v = torch.cat([chain_k, k], 2), torch.cat([chain_v, v], 2)
+                if j:  # the chain's keys go to the slots after the anchor's, overwritten by the next anchor
+                    current = head.forward_cached(head.carry(state), ids[:, anchor + 1 + j:anchor + 2 + j], pos + j,
+                                                  keys, values, anchor + j,
+                                                  torch.ones(b, 1, 1, anchor + j + 1, dtype=torch.bool))
                 if head.gate is not None:
                     sim, retrieved = pool_buf.retrieve(current, pos)
                     state, _, _ = head.pool_fuse(current, sim, retrieved)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from lyanna_train.runtime.cost import VerifyCost, best_count, measured_cost
+from lyanna_train.runtime.cost import VerifyCost, best_count
 
 CPU_LIKE = VerifyCost([1, 2, 8, 16, 32], [0.039, 0.057, 0.059, 0.069, 0.094])
 
@@ -24,12 +24,6 @@ def test_speculates_only_when_it_pays():
     assert best_count([0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3, 0.2, 0.01, 0.01], CPU_LIKE) == 8
     assert best_count([0.01] * 5, VerifyCost.flat()) == 5  # free verification: take everything
     assert best_count([], CPU_LIKE) == 0
-
-
-def test_measured_once_per_model(tiny_target):
-    cost = measured_cost(tiny_target)
-    assert measured_cost(tiny_target) is cost
-    assert all(t > 0 for t in cost.seconds) and cost.sizes[0] == 1
 
 
 def test_acceptance_estimates_learn_from_what_the_target_confirms():

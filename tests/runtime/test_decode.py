@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from lyanna_train.data.features import LayerCapture
+from lyanna_train.target.capture import LayerCapture
 from lyanna_train.runtime import decode
 from lyanna_train.runtime.decode import DecodeSettings, LookupSettings
 from lyanna_train.runtime.draft_step import DraftState, draft_extend

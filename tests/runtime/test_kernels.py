@@ -25,7 +25,7 @@ from lyanna_train.runtime.kernels import (hot_head_topk, hot_head_topk_reference
 
 INTERPRETER = interpreter_ready()
 interpreted = pytest.mark.skipif(not INTERPRETER, reason="needs TRITON_INTERPRET=1 from the start: "
-                                                       "run by test_interpreter_child")
+                                                       "test_interpreter_child runs these in a child")
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 # Per dtype: (rtol, atol) on logits (rounded to the weights' dtype by both sides), and on
 # the pool's fused states and α (the reference runs the gate in the model's dtype).
@@ -189,6 +189,18 @@ def test_triton_on_cpu_needs_the_interpreter(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     with pytest.raises(RuntimeError):
         use_triton("triton", torch.zeros(2))
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(INTERPRETER or not triton_available(), reason="the interpreted cases already ran in this session")
+def test_interpreter_child():
+    """A session started without ``TRITON_INTERPRET=1`` (a GPU machine: conftest leaves it
+    unset there) runs the interpreted ``test_triton_*`` cases here, in one child pytest."""
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(Path(__file__)),
+                           "-k", "test_triton_ and not on_cpu"], env=env, capture_output=True, text=True, timeout=1800)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
+    assert " passed" in done.stdout and "skipped" not in done.stdout.splitlines()[-1]
 
 
 def test_runs_without_triton():

@@ -36,6 +36,7 @@ def _within_noise(counts: torch.Tensor, probs: torch.Tensor, trials: int) -> Non
     assert ((counts / trials - probs).abs() <= 5 * sd + 1e-3).all(), (counts / trials, probs)
 
 
+@pytest.mark.slow  # 40,000 trials
 def test_rejection_keeps_the_target_distribution_for_any_candidates():
     """Two levels of candidates, some likely, some not: the first two emitted tokens are
     distributed exactly as the target's p(x1) p(x2 | x1)."""
@@ -74,6 +75,7 @@ def test_all_mass_on_a_candidate_always_accepts_it():
     assert accept_tree_sampling(tree, probs) == ([0, 1], 2)
 
 
+@pytest.mark.slow  # thousands of sampled decodes
 @pytest.mark.parametrize("pool", [True, False], ids=["pool", "no-pool"])
 def test_speculative_sampling_matches_the_targets_next_two_tokens(tiny_target, pool):
     """End to end on the tiny Llama: the first two sampled tokens of speculative decoding

@@ -9,11 +9,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from lyanna_train.runtime import decode, small_linear
-from lyanna_train.runtime.cost import measured_cost, use_measured_linears
+from lyanna_train.runtime import decode
+from lyanna_train.runtime.cpu_tuning import tune
 from lyanna_train.runtime.decode import DecodeSettings, LookupSettings
 from lyanna_train.runtime.draft_tree import TreeShape
-from lyanna_train.runtime.small_linear import (FORMS, MAX_ROWS, SmallBatchLinear, choose_forms, release_unused_packing,
+from lyanna_train.runtime.small_linear import (FORMS, MAX_ROWS, PACKED, SmallBatchLinear, release_unused_packing,
                                                small_batch_forms, use_small_batch_linears)
 
 from .conftest import LAYER_IDS, greedy_reference, make_draft
@@ -52,7 +52,7 @@ def test_the_swap_keeps_the_weights_and_is_reversible(tiny_target):
     forms = use_small_batch_linears(model)
     linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
     assert linears and all(type(m) is SmallBatchLinear and m.forms is forms for m in linears)
-    assert small_batch_forms(model) is forms
+    assert small_batch_forms(model) is forms and use_small_batch_linears(model) is forms  # set up twice: one list
     assert model.state_dict().keys() == before.keys()
     use_small_batch_linears(model, enabled=False)
     assert all(type(m) is torch.nn.Linear and not hasattr(m, "forms") for m in linears)
@@ -60,37 +60,13 @@ def test_the_swap_keeps_the_weights_and_is_reversible(tiny_target):
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
 
 
-def test_choice_follows_the_timings_and_pads_to_cheaper_counts(monkeypatch):
-    # "linear" is fast at 1 row only; weight_stationary is cheapest at 2, 4 and 8 rows
-    costs = {("linear", 1): 3.0, ("weight_stationary", 1): 5.0, ("linear", 2): 6.0, ("weight_stationary", 2): 2.0,
-             ("linear", 3): 6.0, ("weight_stationary", 3): 4.0, ("linear", 4): 7.0, ("weight_stationary", 4): 2.5,
-             ("linear", 8): 9.0, ("weight_stationary", 8): 4.5}
-    monkeypatch.setattr(small_linear, "FORMS", {"linear": F.linear, "weight_stationary": F.linear})
-    forms = [("linear", r) for r in range(MAX_ROWS + 1)]
-    seen = []
-
-    def time_forward(rows):
-        seen.append((forms[rows], rows))
-        return costs[forms[rows][0], rows]
-
-    seconds = choose_forms(forms, time_forward, (1, 2, 3, 4, 8))
-    assert {(f, r) for (f, _), r in seen} == set(costs)  # each form timed at each count, unpadded
-    assert forms[1] == ("weight_stationary", 2)  # 1 row padded to 2 beats both 1-row forms
-    assert forms[3] == ("weight_stationary", 4)  # 3 rows: padding to 4 (2.5) beats 4.0
-    assert forms[5] == forms[8] == ("weight_stationary", 8)  # unmeasured counts pad up
-    assert forms[9] == ("linear", 9)  # past the largest measured count: untouched
-    assert seconds == [2.0, 2.0, 2.5, 2.5, 4.5]
-    with pytest.raises(ValueError, match="start at 1"):
-        choose_forms(forms, time_forward, (2, 4))
-
-
 @pytest.mark.parametrize("form", [f for f in FORMS if f != "linear"])
 def test_decoding_through_measured_linears_is_lossless(tiny_target, form):
     target = copy.deepcopy(tiny_target)
     draft = make_draft(target, pool=True)
     expected = greedy_reference(target, [1, 17, 200, 5, 99], 24)
-    cost = use_measured_linears(target, draft)
-    assert cost is measured_cost(target) and small_batch_forms(target) is not None
+    cost = tune(target, draft, cache=False)
+    assert cost.sizes[0] == 1 and small_batch_forms(target) is not None
     assert small_batch_forms(draft) is not None and small_batch_forms(draft) is not small_batch_forms(target)
     # whatever this machine chose, run the tuned forms (padded where it can) in both models
     for forms in (small_batch_forms(target), small_batch_forms(draft)):
@@ -99,8 +75,6 @@ def test_decoding_through_measured_linears_is_lossless(tiny_target, form):
     settings = DecodeSettings(TreeShape(3, 2, 2, 6), LookupSettings(4), verify="all")
     out = decode.generate(target, draft, [1, 17, 200, 5, 99], 24, settings, eos_ids=(), layer_ids=LAYER_IDS)
     assert out.tokens == expected
-    with pytest.raises(ValueError, match="previous linears"):
-        use_measured_linears(target)
 
 
 @pytest.mark.skipif("onednn_packed" not in FORMS, reason="torch built without oneDNN")
@@ -117,7 +91,11 @@ def test_packed_weights_follow_the_weight_and_are_released():
     with torch.inference_mode():
         torch.testing.assert_close(layer(x), F.linear(x, layer[0].weight, layer[0].bias), rtol=1e-5, atol=1e-5)
     release_unused_packing(layer)
-    assert layer[0] in small_linear._packed  # still chosen for 2 rows: kept
+    assert PACKED in vars(layer[0])  # still chosen for 2 rows: kept
+    twin = copy.deepcopy(layer)  # the opaque packed copy is not copied (it could not be), but re-made
+    assert PACKED not in vars(twin[0]) and twin[0].state_dict().keys() == {"weight", "bias"}
+    with torch.inference_mode():
+        torch.testing.assert_close(twin(x), layer(x), rtol=0, atol=0)
     forms[2] = ("linear", 2)
     release_unused_packing(layer)
-    assert layer[0] not in small_linear._packed
+    assert PACKED not in vars(layer[0])

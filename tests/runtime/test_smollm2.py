@@ -1,33 +1,27 @@
-"""Lossless speculative decoding on the embedded SmolLM2 with a random draft head, through
-the measured linear forms, against target.generate with torch's own linears."""
+"""Lossless speculative decoding on the embedded SmolLM2 through the measured linear forms,
+against target.generate with torch's own linears, with a head whose draft tokens are
+accepted (``smollm2_fitted``): draft nodes are verified and kept, not only proposed."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from lyanna_train.models.config import DraftConfig
-from lyanna_train.models.draft_head import DraftHead
-from lyanna_train.runtime.cost import use_measured_linears
+from lyanna_train.runtime.cpu_tuning import tune
 from lyanna_train.runtime.decode import DecodeSettings, LookupSettings, generate
 from lyanna_train.runtime.draft_tree import TreeShape
 
 
 @pytest.mark.slow
-def test_lossless_on_smollm2(smollm2_tokenizer):
-    from lyanna_train.target.model import load_target_model
-
-    target = load_target_model("smollm2")
-    torch.manual_seed(0)
-    cfg = DraftConfig.from_target(target.config, draft_vocab_size=2048, pool_size=128, pool_threshold=0.0)
-    draft = DraftHead(cfg, torch.randperm(target.config.vocab_size)[:2048], target.get_input_embeddings().weight).eval()
-    prompts = [smollm2_tokenizer(text)["input_ids"] for text in ("The capital of France is", "def fibonacci(n):")]
-    with torch.inference_mode():  # torch's own linears: what an unmodified transformers gives
-        refs = [target.generate(torch.tensor([p]), max_new_tokens=16, do_sample=False)[0, len(p):].tolist()
-                for p in prompts]
-    use_measured_linears(target, draft)  # as the CLIs run it
-    for prompt, ref in zip(prompts, refs):
-        for settings in (DecodeSettings(TreeShape(4, 1, 1, 4)), DecodeSettings(TreeShape(3, 3, 3, 8), LookupSettings(5))):
-            out = generate(target, draft, prompt, 16, settings)  # EOS from the target's generation_config, as generate
-            assert out.tokens == ref
-            assert out.target_forwards == 1 + len(out.accept_lengths)
+def test_lossless_on_smollm2_with_accepted_draft_tokens(smollm2_fitted):
+    target, draft = smollm2_fitted.target, smollm2_fitted.draft
+    cost = tune(target, draft, cache=False)  # as the CLIs run it
+    chain = DecodeSettings(TreeShape(4, 1, 1, 4), verify="all")  # draft nodes only, every one verified
+    tree = DecodeSettings(TreeShape(3, 3, 3, 8), LookupSettings(5))  # verify: auto, with the measured cost
+    for prompt, ref in zip(smollm2_fitted.prompts, smollm2_fitted.refs):
+        out = generate(target, draft, prompt, len(ref), chain, eos_ids=())
+        assert out.tokens == ref
+        assert out.target_forwards == 1 + len(out.accept_lengths)
+        drafted = sum(n - 1 for n in out.accept_lengths)  # draft tokens the target accepted
+        assert drafted >= len(ref) // 2, out.accept_lengths  # most tokens came from the draft
+        assert generate(target, draft, prompt, len(ref), tree, eos_ids=(), cost=cost).tokens == ref

@@ -31,16 +31,10 @@ def tiny_corpus(sharegpt_records, tmp_path_factory) -> Path:
 
 
 def compose(overrides: list[str]):
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
+    """The config lyanna-train would run with these overrides (recipes registered)."""
+    from lyanna_train.cli.plan import compose as compose_config
 
-    from lyanna_train.cli.train import CONF_DIR, register_configs
-
-    register_configs()
-    GlobalHydra.instance().clear()
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
-        return hydra_compose(config_name="config", overrides=overrides)
+    return compose_config(overrides)
 
 
 def tiny_overrides(target: Path, corpus: Path, out: Path, *extra: str) -> list[str]:

@@ -19,6 +19,8 @@ from .conftest import compose, tiny_overrides
 HOT = 64
 
 
+pytestmark = pytest.mark.slow  # every test is a train() run
+
 @pytest.fixture(scope="module")
 def imported(tiny_target_dir, tmp_path_factory):
     """A speculators-layout head for the tiny target (its trainer's variants on), imported: (dir, head)."""

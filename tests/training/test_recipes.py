@@ -7,13 +7,14 @@ import re
 import pytest
 from omegaconf import OmegaConf
 
-from lyanna_train.cli.train import RECIPES_DIR, take_local_rank
+from lyanna_train.cli.train import take_local_rank
+from lyanna_train.configs import recipes_dir
 from lyanna_train.errors import LyannaError
 from lyanna_train.training.config import Config, validate
 
 from .conftest import compose
 
-RECIPES = sorted(p.stem for p in RECIPES_DIR.glob("*.yaml"))
+RECIPES = sorted(p.stem for p in recipes_dir().glob("*.yaml"))
 
 
 def test_the_promised_recipes_exist():
@@ -26,7 +27,7 @@ def test_recipe_composes_and_validates(recipe):
     validate(cfg)
     assert isinstance(OmegaConf.to_object(cfg), Config)
     assert cfg.run_name == recipe and cfg.train.out_dir == f"checkpoints/{recipe}"
-    text = (RECIPES_DIR / f"{recipe}.yaml").read_text()
+    text = (recipes_dir() / f"{recipe}.yaml").read_text()
     header = [line for line in text.splitlines() if line.startswith("#")]
     assert header and text.startswith("# ")  # purpose first, then the command that runs it
     assert any("+recipe=" + recipe in line for line in header)
@@ -53,12 +54,48 @@ def test_bad_config_is_named(override, message):
 
 
 def test_schema_rejects_unknown_keys_and_wrong_types():
-    from hydra.errors import ConfigCompositionException
-
-    with pytest.raises(ConfigCompositionException):
+    with pytest.raises(LyannaError, match="learning_rate"):
         compose(["train.learning_rate=0.1"])
-    with pytest.raises(ConfigCompositionException):
+    with pytest.raises(LyannaError, match="epochs"):
         compose(["train.epochs=many"])
+
+
+def _leaves(node, prefix: str = "") -> dict:
+    out = {}
+    for key, value in node.items():
+        if OmegaConf.is_dict(value):
+            out.update(_leaves(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_recipe_writes_only_what_differs_from_the_base(recipe):
+    """A recipe is a difference: its group choices (defaults list) and the values that
+    differ from what the base config, with those choices, already gives."""
+    raw = OmegaConf.load(recipes_dir() / f"{recipe}.yaml")
+    choices = [f"{key.removeprefix('override /')}={value}" for entry in raw.get("defaults", [])
+               if OmegaConf.is_dict(entry) for key, value in entry.items()]
+    base = compose(choices)
+    body = OmegaConf.masked_copy(raw, [k for k in raw if k != "defaults"])
+    repeated = {k: v for k, v in _leaves(body).items() if OmegaConf.select(base, k) == v}
+    assert not repeated, f"{recipe} repeats the base config: {repeated}"
+
+
+def test_every_config_group_option_is_used():
+    """Each file under conf/<group>/ is the base's choice or chosen by a recipe, a variant
+    (draft=no_pool, hotvocab=full) or a decoding preset: no orphans like an unused ZeRO file."""
+    from lyanna_train.configs import conf_dir
+
+    used = set()
+    for path in [conf_dir() / "config.yaml", *recipes_dir().glob("*.yaml")]:
+        for entry in OmegaConf.load(path).get("defaults", []):
+            if OmegaConf.is_dict(entry):
+                used |= {f"{k.removeprefix('override /')}/{v}" for k, v in entry.items()}
+    used |= {"draft/no_pool", "hotvocab/full", "train/default"}  # ablation variants, and the base gpu.yaml extends
+    options = {f"{p.parent.name}/{p.stem}" for p in conf_dir().glob("*/*.yaml") if p.parent.name != "decode"}
+    assert options <= used, f"unused config files: {sorted(options - used)}"
 
 
 def test_launcher_local_rank_is_taken_out_of_argv(monkeypatch):

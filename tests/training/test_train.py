@@ -31,6 +31,7 @@ def _losses(out) -> dict:
     return {r["step"]: r["loss/total"] for r in rows if "loss/total" in r}
 
 
+@pytest.mark.slow  # full train() runs
 def test_resume_reproduces_the_uninterrupted_losses(tmp_path, tiny_target_dir, tiny_corpus):
     out = tmp_path / "run"
     cfg = compose(tiny_overrides(tiny_target_dir, tiny_corpus, out, *TINY, "train.max_steps=6", "train.save_every=3",
@@ -56,6 +57,7 @@ def test_resume_reproduces_the_uninterrupted_losses(tmp_path, tiny_target_dir, t
     assert not (ckpts / ".partial-step-00000005").exists()
 
 
+@pytest.mark.slow  # the DeepSpeed launcher, 2 ranks
 def test_two_ranks_under_the_deepspeed_launcher(tmp_path, tiny_target_dir, tiny_corpus):
     out = tmp_path / "ds"
     deepspeed = os.path.join(os.path.dirname(sys.executable), "deepspeed")
@@ -96,6 +98,7 @@ def test_data_without_assistant_turns_is_refused(tmp_path, tiny_target_dir):
         train(cfg)
 
 
+@pytest.mark.slow  # a CLI subprocess
 def test_cli_turns_errors_into_one_line(tmp_path, tiny_corpus):
     proc = subprocess.run([sys.executable, "-m", "lyanna_train.cli.train", f"target.name={tmp_path / 'nope'}",
                            f"data.corpus=[{tiny_corpus}]", f"train.out_dir={tmp_path / 'o'}",
@@ -106,6 +109,7 @@ def test_cli_turns_errors_into_one_line(tmp_path, tiny_corpus):
     assert len(errors) == 1 and "Traceback" not in proc.stderr
 
 
+@pytest.mark.slow  # a full train() run
 def test_in_loop_evaluation_logs_acceptance_with_the_runtime(tmp_path, tiny_target_dir, tiny_corpus):
     out = tmp_path / "eval"
     result = train(compose(tiny_overrides(tiny_target_dir, tiny_corpus, out, *TINY, "train.max_steps=3", "eval.every=2",
@@ -119,6 +123,7 @@ def test_in_loop_evaluation_logs_acceptance_with_the_runtime(tmp_path, tiny_targ
     assert result["eval/mean_tau"] == evals[-1]["eval/mean_tau"]
 
 
+@pytest.mark.slow  # a full train() run
 def test_online_features_train_like_cached(tmp_path, tiny_target_dir, tiny_corpus):
     """The online mode runs the target inside the step and sees the same first batch as the cache."""
     losses = {}
@@ -134,6 +139,7 @@ def test_online_features_train_like_cached(tmp_path, tiny_target_dir, tiny_corpu
     assert losses["online"][1] == pytest.approx(losses["cached"][1], rel=0.05)
 
 
+@pytest.mark.slow  # a full train() run
 def test_bf16_target_and_autocast_train_close_to_fp32(tmp_path, tiny_target_dir, tiny_corpus):
     """The CPU recipe's fast path: features from a bf16 target, the draft under bf16 autocast
     (fp32 weights). Same first loss as fp32 up to bf16 rounding; the eval decodes with it."""
@@ -155,6 +161,7 @@ def test_unknown_autocast_dtype_is_one_line(tmp_path, tiny_target_dir, tiny_corp
         train(cfg)
 
 
+@pytest.mark.slow  # a full train() run
 def test_heldout_agreement_and_the_issue_11_levers_in_a_run(tmp_path, tiny_target_dir, tiny_corpus):
     """Samples after the training range are cached apart and scored teacher-forced; the
     initialisation from the target, TV loss and all-position training run end to end."""

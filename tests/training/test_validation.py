@@ -56,6 +56,7 @@ def test_a_bad_value_stops_the_run_before_any_work(tmp_path, tiny_target_dir, ti
     ("hotvocab.path=/no/such/hot-100.safetensors", "hotvocab.path = '/no/such/hot-100.safetensors' does not exist"),
     ("train.resume=/no/such/step-00000001", "train.resume = '/no/such/step-00000001' is not allowed"),
     ("data.corpus=[/no/such/corpus.jsonl]", "data.corpus"),
+    ("draft.init_from=/no/such/export", "draft.init_from = '/no/such/export' is not an export directory"),
 ])
 def test_missing_inputs_are_named_before_any_work(tmp_path, tiny_target_dir, tiny_corpus, override, message):
     out = tmp_path / "run"

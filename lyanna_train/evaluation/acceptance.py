@@ -5,8 +5,16 @@ from __future__ import annotations
 from typing import Sequence
 
 from ..models.draft_head import DraftHead
-from . import decode
-from .draft_tree import TreeShape
+from ..runtime import decode
+from ..runtime.draft_tree import TreeShape
+
+
+def accept_rates(accept_lengths: Sequence[int], depth: int) -> list[float]:
+    """τ per verify (accepted drafted tokens + 1) -> [depth] floats: entry k-1 is the
+    fraction of verifies that accepted at least k drafted tokens (non-increasing in k).
+    Their sum is the mean number of drafted tokens accepted per verify."""
+    n = max(len(accept_lengths), 1)
+    return [sum(t - 1 >= k for t in accept_lengths) / n for k in range(1, depth + 1)]
 
 
 def mean_acceptance(target, draft: DraftHead, prompts: Sequence[Sequence[int]], depth: int, max_new_tokens: int,
@@ -39,7 +47,7 @@ def mean_acceptance(target, draft: DraftHead, prompts: Sequence[Sequence[int]], 
     return {
         "mean_tau": tokens / max(forwards, 1),
         "mean_tau_verify": sum(taus) / iterations,
-        "accept_rate": [sum(t - 1 >= k for t in taus) / iterations for k in range(1, depth + 1)],
+        "accept_rate": accept_rates(taus, depth),
         "tokens": tokens,
         "target_forwards": forwards,
         "iterations": len(taus),

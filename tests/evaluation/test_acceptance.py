@@ -7,9 +7,9 @@ import math
 import pytest
 
 from lyanna_train.runtime import decode
-from lyanna_train.runtime.eval import mean_acceptance
+from lyanna_train.evaluation.acceptance import mean_acceptance
 
-from .conftest import LAYER_IDS, greedy_reference, make_draft, oracle_tree
+from ..runtime.conftest import LAYER_IDS, greedy_reference, make_draft, oracle_tree
 
 PROMPTS = [[1, 5, 9, 200, 31], [1, 77, 78]]
 

@@ -10,14 +10,12 @@ from __future__ import annotations
 import contextlib
 from pathlib import Path
 
+from ..configs import decode_dir
 from ..errors import LyannaError
-from .train import CONF_DIR
-
-DECODE_DIR = CONF_DIR / "decode"
 
 
 def presets() -> list[str]:
-    return sorted(p.stem for p in DECODE_DIR.glob("*.yaml"))
+    return sorted(p.stem for p in decode_dir().glob("*.yaml"))
 
 
 def preset_path(preset: str) -> Path:
@@ -25,7 +23,7 @@ def preset_path(preset: str) -> Path:
     path = Path(preset)
     if path.suffix in (".yaml", ".yml") and path.is_file():
         return path
-    path = DECODE_DIR / f"{preset}.yaml"
+    path = decode_dir() / f"{preset}.yaml"
     if not path.is_file():
         raise LyannaError(f"unknown decode preset {preset!r} (choose from {', '.join(presets())}, or a .yaml file)")
     return path
@@ -59,7 +57,7 @@ def load_decode_settings(preset: str = "default", overrides: list[str] | tuple =
     from omegaconf import OmegaConf
     from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
-    from ..runtime.decode import DecodeSettings
+    from .decode import DecodeSettings
 
     path = preset_path(preset)
     schema = OmegaConf.structured(DecodeSettings)

@@ -9,15 +9,14 @@ plus the token ids, so losslessness can be re-checked from the files alone.
 Methods: ``target`` (``target.generate``, plain decoding), ``pld`` (transformers'
 prompt-lookup decoding), ``lyanna`` (our runtime with the exported draft) and
 ``lookup`` (our runtime, prompt lookup only) all run the same target object, with the
-measured linear forms of :mod:`.small_linear` when the CLI set them up; ``stock`` is
-``target.generate`` with torch's own ``nn.Linear`` (an unmodified transformers), for
-reference: its output may differ from ``target``'s by float summation order alone, so it
-is reported but not part of the lossless verdict.
+measured linear forms of :mod:`lyanna_train.runtime.small_linear` when the CLI set
+them up; ``stock`` is ``target.generate`` with torch's own ``nn.Linear`` (an unmodified
+transformers), for reference: its output may differ from ``target``'s by float
+summation order alone, so it is reported but not part of the lossless verdict.
 """
 
 from __future__ import annotations
 
-import gzip
 import json
 import time
 from dataclasses import dataclass, field, replace
@@ -27,77 +26,16 @@ from typing import Callable
 import torch
 
 from ..errors import LyannaError
-from . import decode
-from .decode import DecodeSettings, LookupSettings
-from .draft_tree import TreeShape
-from .small_linear import stock_linears
+from ..runtime import decode
+from ..runtime.cost import VerifyCost
+from ..runtime.decode import DecodeSettings, LookupSettings
+from ..runtime.draft_tree import TreeShape
+from ..runtime.small_linear import stock_linears
+from .acceptance import accept_rates
+from .prompts import Question, render_prompt
 
 METHODS = ("target", "stock", "pld", "lyanna", "lookup")
 NUMERICS_ONLY = ("stock",)  # same model, other GEMM forms: not held to token identity
-EMBEDDED_PROMPTS = ("mtbench", "humaneval", "tasks")
-_TEXT_KEYS = ("prompt", "text", "instruction")
-
-
-@dataclass(frozen=True)
-class Question:
-    question_id: int | str
-    category: str
-    turns: tuple[str, ...]  # user turns; turn t is asked after the answers to turns < t
-
-
-def _question(rec, path: Path, lineno: int) -> Question:
-    turns = rec.get("turns") if isinstance(rec, dict) else None
-    if turns is None and isinstance(rec, dict):
-        turns = next(([rec[k]] for k in _TEXT_KEYS if isinstance(rec.get(k), str)), None)
-    if not turns or not isinstance(turns, list) or not all(isinstance(t, str) and t.strip() for t in turns):
-        raise LyannaError(f'{path}:{lineno}: expected an object with "turns" (non-empty strings) '
-                          f'or a "prompt"/"text"/"instruction" string')
-    qid = rec.get("question_id", rec.get("task_id", lineno))
-    return Question(qid, str(rec.get("category") or path.name.split(".")[0]), tuple(turns))
-
-
-def read_questions(source: str, limit: int | None = None) -> list[Question]:
-    """Questions from ``mtbench``/``humaneval`` (embedded), a JSONL(.gz) file, or a .txt file
-    (one single-turn prompt per blank-line-separated block). A malformed line stops with file:line."""
-    from ..embedded import EMBEDDED_CORPORA
-
-    path = EMBEDDED_CORPORA[source].path() if source in EMBEDDED_PROMPTS and not Path(source).exists() \
-        else Path(source)
-    if not path.is_file():
-        raise LyannaError(f"prompt file not found: {source} (or use {', '.join(EMBEDDED_PROMPTS)})")
-    opener = gzip.open if path.suffix == ".gz" else open
-    try:
-        with opener(path, "rt", encoding="utf-8") as f:
-            text = f.read()
-    except (OSError, UnicodeDecodeError) as err:
-        raise LyannaError(f"cannot read {path}: {err}") from None
-    if path.suffix == ".txt":
-        blocks = [b.strip() for b in text.split("\n\n") if b.strip()]
-        questions = [Question(i + 1, path.stem, (b,)) for i, b in enumerate(blocks)]
-    else:
-        questions = []
-        for lineno, line in enumerate(text.splitlines(), 1):
-            if line.strip():
-                try:
-                    rec = json.loads(line)
-                except json.JSONDecodeError as err:
-                    raise LyannaError(f"{path}:{lineno}: not valid JSON ({err.msg})") from None
-                questions.append(_question(rec, path, lineno))
-    if not questions:
-        raise LyannaError(f"{path} holds no prompts")
-    if not limit or limit >= len(questions):
-        return questions
-    # spread over the whole set, not its head: MT-Bench is ordered by category
-    return [questions[i * len(questions) // limit] for i in range(limit)]
-
-
-def render_prompt(tokenizer, messages: list[dict], chat: bool = True) -> list[int]:
-    """Prompt ids: the tokenizer's chat template with the generation prompt, or (``chat`` False
-    or no template) the contents joined by blank lines, tokenized as plain text."""
-    if chat and getattr(tokenizer, "chat_template", None):
-        return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                                  return_dict=False))
-    return tokenizer("\n\n".join(m["content"] for m in messages))["input_ids"]
 
 
 @dataclass
@@ -163,9 +101,9 @@ def hf_method(target, settings: DecodeSettings, prompt_lookup_tokens: int | None
     return run
 
 
-def runtime_method(target, draft, settings: DecodeSettings) -> Method:
+def runtime_method(target, draft, settings: DecodeSettings, cost: VerifyCost | None = None) -> Method:
     def run(prompt: list[int], max_new_tokens: int) -> Run:
-        result = decode.generate(target, draft, prompt, max_new_tokens, settings)
+        result = decode.generate(target, draft, prompt, max_new_tokens, settings, cost=cost)
         return Run(result.tokens, result.wall_time, result.target_forwards, result.accept_lengths, result.tree_sizes)
 
     return run
@@ -185,17 +123,19 @@ def check_methods(names) -> None:
         raise LyannaError(f"bad methods {list(names)} (choose some of {', '.join(METHODS)}, each once)")
 
 
-def make_methods(names, target, draft, settings: DecodeSettings, pld_tokens: int = 10) -> dict[str, Method]:
-    """The named methods; ``lookup`` reuses the settings' lookup (or ``pld_tokens`` when it is off)."""
+def make_methods(names, target, draft, settings: DecodeSettings, pld_tokens: int = 10,
+                 cost: VerifyCost | None = None) -> dict[str, Method]:
+    """The named methods; ``lookup`` reuses the settings' lookup (or ``pld_tokens`` when it is off);
+    our runtime's methods weigh candidates against ``cost`` (:func:`~lyanna_train.runtime.cpu_tuning.tune`)."""
     check_methods(names)
     lookup = settings.lookup if settings.lookup.max_tokens else LookupSettings(max_tokens=pld_tokens)
     make = {
         "target": lambda: hf_method(target, settings),
         "stock": lambda: _stock(target, hf_method(target, settings)),
         "pld": lambda: hf_method(target, settings, prompt_lookup_tokens=pld_tokens),
-        "lyanna": lambda: runtime_method(target, draft, settings),
+        "lyanna": lambda: runtime_method(target, draft, settings, cost),
         "lookup": lambda: runtime_method(target, None, replace(settings, tree=TreeShape(depth=0, max_nodes=0),
-                                                               lookup=lookup)),
+                                                               lookup=lookup), cost),
     }
     return {name: make[name]() for name in names}
 
@@ -245,7 +185,7 @@ def summarize(records: dict[str, list[dict]], reference: str = "target", depth: 
         out[m] = {"prompts": len(f["new_tokens"]), "new_tokens": tokens, "wall_time": wall,
                   "tokens_per_s": tokens / wall if wall else 0.0, "target_forwards": forwards,
                   "tau": tokens / max(forwards, 1), "mean_accept_length": sum(taus) / max(len(taus), 1),
-                  "accept_rate": [sum(t - 1 >= k for t in taus) / max(len(taus), 1) for k in range(1, most + 1)],
+                  "accept_rate": accept_rates(taus, most),
                   "mean_tree_size": sum(f["tree_sizes"]) / max(len(f["tree_sizes"]), 1)}
     base = out.get(reference, {}).get("tokens_per_s")
     for m in out:

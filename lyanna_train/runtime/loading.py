@@ -1,0 +1,41 @@
+"""What serving needs, loaded together: the target, its tokenizer and an exported draft.
+
+The draft's export names the target it was made for; another one can be given, and the
+export loader then checks its fingerprint. Used by ``lyanna-generate``, ``lyanna-bench``
+and the scripts in ``bench/``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..errors import LyannaError
+
+
+def load_models(draft_dir: str | None, target_spec: str | None, need_draft: bool = True, threads: int | None = None):
+    """(target, tokenizer, draft or None): the target is the one the draft was exported for
+    unless ``target_spec`` says otherwise (the loader then checks its fingerprint). Tuning
+    for the machine is the caller's next step (:func:`.cpu_tuning.tune`)."""
+    from transformers.utils import logging as hf_logging
+
+    from ..export.loader import load_exported, read_manifest
+    from ..target.loading import load_tokenizer
+    from ..target.model import load_target_model
+
+    if threads is not None:
+        if threads < 1:
+            raise LyannaError("--threads must be at least 1")
+        torch.set_num_threads(threads)
+    if draft_dir is None and target_spec is None:
+        raise LyannaError("give --draft EXPORT_DIR (or --target SPEC to decode with prompt lookup only)")
+    manifest = read_manifest(draft_dir) if draft_dir is not None else {}
+    spec = target_spec or (manifest.get("target") or {}).get("name")
+    if not spec:
+        raise LyannaError(f"{draft_dir}/manifest.json does not name its target: pass --target")
+    hf_logging.disable_progress_bar()  # "Loading weights" would interleave with the generated text
+    try:
+        tokenizer, target = load_tokenizer(spec), load_target_model(spec)
+    finally:
+        hf_logging.enable_progress_bar()
+    draft = load_exported(draft_dir, target, tokenizer)[0] if draft_dir is not None and need_draft else None
+    return target, tokenizer, draft
