@@ -15,6 +15,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+EMPTY = -(2**62)  # the position of an empty slot: outside every anchor's window
+
 
 def best_match(queries: torch.Tensor, pool: torch.Tensor, allowed: torch.Tensor):
     """queries [B, Q, H], pool [B, S, H], allowed [B|1, Q, S] bool ->
@@ -55,8 +57,20 @@ class StatePool:
     def __init__(self, batch: int, size: int, hidden: int, dtype=torch.float32, device=None):
         self.size = size
         self.states = torch.zeros(batch, size, hidden, dtype=dtype, device=device)
-        self.positions = torch.full((batch, size), -(2**62), dtype=torch.int64, device=device)  # empty slots
+        self.positions = torch.full((batch, size), EMPTY, dtype=torch.int64, device=device)  # empty slots
         self.count = torch.zeros(batch, dtype=torch.int64, device=device)  # states ever pushed
+
+    def rows(self, index: slice) -> "StatePool":
+        """The pool of sequences ``index`` (a slice): a view, so pushes write through."""
+        view = object.__new__(StatePool)
+        view.size, view.states, view.positions, view.count = \
+            self.size, self.states[index], self.positions[index], self.count[index]
+        return view
+
+    def clear(self) -> None:
+        """Forget every state (a sequence's slot is being reused)."""
+        self.positions.fill_(EMPTY)
+        self.count.zero_()
 
     def push(self, states: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor | None = None) -> None:
         """Append states [B, N, H] at positions [B, N] (``valid`` [B, N] bool), oldest evicted."""

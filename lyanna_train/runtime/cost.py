@@ -56,6 +56,32 @@ def best_count(probs: Sequence[float], cost: VerifyCost) -> int:
     return best
 
 
+def best_width(rows: Sequence[Sequence[float]], cost: VerifyCost, limit: int | None = None) -> int:
+    """Each row's candidate probabilities (in the order they would be verified) -> W, the
+    tokens per row of ONE fused verify forward over all rows (the root included).
+
+    The forward computes rows × W tokens whatever each row fills (rows are padded to W),
+    so every row verifies its W - 1 best candidates and W maximises
+
+        Σ_rows (1 + Σ_{i < W} p_row,i) / cost(rows · W)
+
+    — the batch's total token count is what the forward costs. With one row this is
+    :func:`best_count` + 1. ``limit`` caps W."""
+    most = max((len(p) for p in rows), default=0) + 1
+    most = min(most, limit) if limit else most
+    prefix = [[0.0] for _ in rows]
+    for sums, probs in zip(prefix, rows):
+        for p in probs[:most - 1]:
+            sums.append(sums[-1] + p)
+    best, best_rate = 1, len(rows) / cost(len(rows))
+    for width in range(2, most + 1):
+        expected = sum(1 + sums[min(width - 1, len(sums) - 1)] for sums in prefix)
+        rate = expected / cost(len(rows) * width)
+        if rate > best_rate:
+            best, best_rate = width, rate
+    return best
+
+
 POOL = 0  # the "n-gram length" under which pool candidates (:mod:`.pool_lookup`) are counted
 
 

@@ -9,9 +9,8 @@ next token, and rolls both caches to that path. Greedy output is token for token
 many positions in one forward instead of one by one); sampled output has exactly the
 target's distribution.
 
-Batch size 1: rows accept different numbers of tokens, so batched decoding needs ragged
-caches (per-row lengths, position ids and masks for the target, per-row anchors for the
-draft), which transformers' ``DynamicCache`` does not keep.
+One sequence, on transformers' ``DynamicCache``; many at once (rows accepting different
+numbers of tokens, so ragged caches) are :mod:`.scheduler`'s.
 
 Positions: tokens x_0..x_{n-1} are accepted (prompt included). The target cache holds
 0..n-2; the draft cache holds anchors 0..n-2 and drafting starts at anchor n-2.
@@ -49,9 +48,22 @@ class LookupSettings:
 
 
 @dataclass(frozen=True)
+class FusionSettings:
+    """How the batched runtime (:mod:`.scheduler`) fuses verification; batch 1 ignores it."""
+
+    micro_batches: int = 1  # 1: verify every running row every iteration; k > 1: hold until k blocks are drafted
+    shallow_first: bool = False  # under the fused token budget, admit nodes by depth before probability
+
+    def __post_init__(self):
+        if self.micro_batches < 1:
+            raise ValueError(f"micro_batches must be at least 1, got {self.micro_batches}")
+
+
+@dataclass(frozen=True)
 class DecodeSettings:
     tree: TreeShape = TreeShape()
     lookup: LookupSettings = LookupSettings()
+    fusion: FusionSettings = FusionSettings()
     sampling: SamplingParams = SamplingParams()
     seed: int = 0  # of the sampling generator
     # "auto": verify the candidates that maximise expected tokens per second of measured
@@ -148,22 +160,31 @@ def propose(draft: DraftHead | None, session: Session, settings: DecodeSettings)
     estimates = session.estimates
     if draft is not None:
         estimates.calibrate_draft(tree, draft_tree(draft, session.draft_state, tree, settings.tree))
-    lookup = settings.lookup
+    add_free_candidates(tree, session.context, session.length, settings.lookup, estimates,
+                        session.draft_state if draft is not None else None,
+                        draft.cfg.pool_threshold if draft is not None else 0.0)
+    if settings.verify == "auto":
+        tree = tree.best(best_count(sorted(tree.probs[1:], reverse=True), session.cost))
+    return tree
+
+
+def add_free_candidates(tree: TokenTree, context: torch.Tensor, length: int, lookup: LookupSettings,
+                        estimates: AcceptanceEstimates, draft_state=None, pool_threshold: float = 0.0) -> None:
+    """Add prompt-lookup and pool continuations below the root of ``tree``, each with its
+    learned acceptance estimate. context [≥ length]: the accepted ids; ``draft_state``
+    (a :class:`.draft_step.DraftState`, or one row of a batch's) gives the pool, None: no
+    pool candidates."""
     if lookup.max_tokens:
-        n, found = lookup_continuations(session.context[:session.length], lookup.max_tokens, lookup.max_ngram,
+        n, found = lookup_continuations(context[:length], lookup.max_tokens, lookup.max_ngram,
                                         branches=lookup.branches)
         for follow in found:
             tree.add_path(follow, estimates.lookup_probs(n, len(follow)))
         estimates.proposed_lookup(n, found[0] if found else [])
-    if lookup.pool_tokens and draft is not None:
-        follow = pool_continuation(session.draft_state, session.context, session.length, lookup.pool_tokens,
-                                   draft.cfg.pool_threshold)
+    if lookup.pool_tokens and draft_state is not None:
+        follow = pool_continuation(draft_state, context, length, lookup.pool_tokens, pool_threshold)
         if follow:
             tree.add_path(follow, estimates.lookup_probs(POOL, len(follow)))
         estimates.proposed_lookup(POOL, follow)
-    if settings.verify == "auto":
-        tree = tree.best(best_count(sorted(tree.probs[1:], reverse=True), session.cost))
-    return tree
 
 
 def verify(target, session: Session, tree: TokenTree) -> tuple[torch.Tensor, torch.Tensor]:

@@ -38,7 +38,7 @@ class TreeShape:
 
 
 @dataclass
-class _Candidate:
+class Candidate:
     parent: int  # index into the candidate list, -1 for the root
     token: int  # target id
     score: float  # cumulative draft log-probability
@@ -100,28 +100,39 @@ def draft_tree(draft: DraftHead, state: DraftState, tree: TokenTree, shape: Tree
     state.scratch = state.length
     state.reserve(state.length + shape.beam * shape.depth)
     root_state = state.anchor_state[0, 0]
-    cands: list[_Candidate] = []
+    cands: list[Candidate] = []
     slot_of: dict[int, int] = {}  # expanded candidate -> its scratch slot
     fused_of: dict[int, torch.Tensor] = {}  # expanded candidate -> its fused state [H]
     logp, ids = score_top(draft, state.anchor_state[0], shape.branch)
-    level = _add_children(cands, [-1], [0.0], [0], logp, ids)
+    level = add_children(cands, [-1], [0.0], [0], logp.tolist(), ids.tolist())
     floor = math.log(shape.min_prob) if shape.min_prob > 0 else -math.inf
     for _ in range(2, shape.depth + 1):
-        chosen = [c for c in sorted(level, key=lambda c: -cands[c].score)[: shape.beam] if cands[c].score >= floor]
+        chosen = expandable(cands, level, shape.beam, floor)
         if not chosen:  # nothing this unlikely is worth a draft forward, let alone verifying
             break
         parents = [cands[c].parent for c in chosen]
         first = state.scratch
         fused = _expand(draft, state, torch.stack([root_state if p < 0 else fused_of[p] for p in parents]),
                         [cands[c].token for c in chosen], [cands[c].depth for c in chosen],
-                        [[slot_of[a] for a in _lineage(cands, p)] for p in parents])
+                        [[slot_of[a] for a in lineage(cands, p)] for p in parents])
         for i, c in enumerate(chosen):
             slot_of[c], fused_of[c] = first + i, fused[i]
         logp, ids = score_top(draft, fused, shape.branch)
-        level = _add_children(cands, chosen, [cands[c].score for c in chosen], [cands[c].depth for c in chosen],
-                              logp, ids)
-    best = sorted(range(len(cands)), key=lambda c: -cands[c].score)[: shape.max_nodes]
-    keep = {a for c in best for a in _lineage(cands, c)}  # ties could leave out an ancestor: put it back
+        level = add_children(cands, chosen, [cands[c].score for c in chosen], [cands[c].depth for c in chosen],
+                             logp.tolist(), ids.tolist())
+    return add_best(tree, cands, shape.max_nodes)
+
+
+def expandable(cands: list[Candidate], level: list[int], beam: int, floor: float) -> list[int]:
+    """The ``beam`` best candidates of a level worth a draft forward (score >= ``floor``)."""
+    return [c for c in sorted(level, key=lambda c: -cands[c].score)[:beam] if cands[c].score >= floor]
+
+
+def add_best(tree: TokenTree, cands: list[Candidate], max_nodes: int) -> list[int]:
+    """Add the ``max_nodes`` best candidates (by cumulative draft log-probability) below the
+    root of ``tree``, each with its probability -> the new nodes."""
+    best = sorted(range(len(cands)), key=lambda c: -cands[c].score)[:max_nodes]
+    keep = {a for c in best for a in lineage(cands, c)}  # ties could leave out an ancestor: put it back
     node_of: dict[int, int] = {}
     for c in sorted(keep, key=lambda c: (cands[c].depth, -cands[c].score)):
         parent = cands[c].parent
@@ -129,7 +140,7 @@ def draft_tree(draft: DraftHead, state: DraftState, tree: TokenTree, shape: Tree
     return list(node_of.values())
 
 
-def _lineage(cands: list[_Candidate], c: int) -> list[int]:
+def lineage(cands: list[Candidate], c: int) -> list[int]:
     """Candidates from the top level down to ``c`` (empty for the root, -1)."""
     out = []
     while c >= 0:
@@ -138,12 +149,12 @@ def _lineage(cands: list[_Candidate], c: int) -> list[int]:
     return out[::-1]
 
 
-def _add_children(cands: list[_Candidate], parents: list[int], scores: list[float], depths: list[int],
-                  logp: torch.Tensor, ids: torch.Tensor) -> list[int]:
-    """Append the scored children [P, k] of each parent -> their candidate indices."""
+def add_children(cands: list[Candidate], parents: list[int], scores: list[float], depths: list[int],
+                 logp: list[list[float]], ids: list[list[int]]) -> list[int]:
+    """Append the scored children [P][k] of each parent -> their candidate indices."""
     added = []
     for row, (parent, score, depth) in enumerate(zip(parents, scores, depths)):
-        for lp, token in zip(logp[row].tolist(), ids[row].tolist()):
-            cands.append(_Candidate(parent, token, score + lp, depth + 1))
+        for lp, token in zip(logp[row], ids[row]):
+            cands.append(Candidate(parent, token, score + lp, depth + 1))
             added.append(len(cands) - 1)
     return added

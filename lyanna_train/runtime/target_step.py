@@ -42,6 +42,17 @@ def target_forward(target, capture: LayerCapture | None, cache: DynamicCache, in
                 **{_cache_kwarg(target): cache})
 
 
+def ragged_forward(target, capture: LayerCapture | None, cache, input_ids: torch.Tensor, position_ids: torch.Tensor,
+                   mask: torch.Tensor, logits_to_keep: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows of new tokens after a :class:`.ragged_cache.RaggedCache` (planned by its
+    ``begin``): input_ids / position_ids [R, T], mask [R, 1, T, kv_length] bool ->
+    (logits [R, T or logits_to_keep, V], aux [R, T, k·H])."""
+    if getattr(target.config, "_attn_implementation", None) == "eager":  # eager attention adds the mask
+        mask = torch.zeros(mask.shape, dtype=target.dtype, device=mask.device).masked_fill(~mask, float("-inf"))
+    return _run(target, capture, input_ids=input_ids, position_ids=position_ids, attention_mask=mask,
+                use_cache=True, logits_to_keep=logits_to_keep, **{_cache_kwarg(target): cache})
+
+
 def crop_cache(cache: DynamicCache, length: int) -> None:
     """Drop cached positions >= ``length`` (the rejected drafted tokens)."""
     excess = cache.get_seq_length() - length

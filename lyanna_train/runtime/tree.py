@@ -54,18 +54,25 @@ class TokenTree:
             nodes.append(parent)
         return nodes
 
-    def best(self, count: int) -> "TokenTree":
-        """The root and the ``count`` most probable other nodes, as a tree of their own.
+    def best(self, count: int, shallow_first: bool = False) -> "TokenTree":
+        """The root and the ``count`` most probable other nodes, as a tree of their own
+        (``shallow_first``: the shallowest, most probable first among equal depths).
 
         Acceptance estimates never grow down a path, so the best nodes (ties broken by
         node order) keep their parents; parents are added back should they not."""
-        ranked = sorted(range(1, len(self)), key=lambda n: (-self.probs[n], n))[:count]
+        ranked = self.ranked(shallow_first)[:count]
         keep = sorted({a for n in ranked for a in self.ancestors(n)})
         out = TokenTree.rooted_at(self.tokens[0])
         new = {0: 0}
         for n in keep[1:]:
             new[n] = out.add(new[self.parents[n]], self.tokens[n], self.probs[n])
         return out
+
+    def ranked(self, shallow_first: bool = False) -> list[int]:
+        """The non-root nodes in the order :meth:`best` takes them."""
+        if shallow_first:
+            return sorted(range(1, len(self)), key=lambda n: (self.depths[n], -self.probs[n], n))
+        return sorted(range(1, len(self)), key=lambda n: (-self.probs[n], n))
 
     def ancestors(self, node: int) -> list[int]:
         """Nodes from the root down to ``node``, both included."""

@@ -1,0 +1,146 @@
+"""The draft's caches for many sequences at once: per-row lengths, pools and anchors.
+
+:class:`BatchDraftState` is :class:`.draft_step.DraftState` with a row per sequence (a
+slot): the draft KV cache is preallocated and written in place at each row's own length,
+every row has its own state pool (a row of one :class:`StatePool`, never read by another
+row) and its own anchor. :func:`extend_rows` is step 0 over the newly accepted anchors of a
+run of rows, each row with its own count, in one draft forward; it keeps exactly the
+schedule of :func:`.draft_step.draft_extend` (held-back anchor, the training window).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..models.draft_head import DraftHead
+from ..models.state_pool import EMPTY, StatePool
+
+
+def chunk_mask(starts: torch.Tensor, width: int, kv_length: int) -> torch.Tensor:
+    """[rows, 1, width, kv_length] bool: row i's entry j (at slot starts[i] + j) sees the
+    row's slots 0..starts[i] + j (its cache, then causal inside the chunk)."""
+    last = starts[:, None, None] + torch.arange(width, device=starts.device)[None, :, None]
+    return (torch.arange(kv_length, device=starts.device)[None, None, :] <= last)[:, None]
+
+
+def forward_rows(draft: DraftHead, keys: torch.Tensor, values: torch.Tensor, hidden: torch.Tensor,
+                 input_ids: torch.Tensor, positions: torch.Tensor, starts: torch.Tensor,
+                 mask: torch.Tensor) -> torch.Tensor:
+    """The draft's serving forward for rows with their own write offsets: hidden [R, N, H],
+    input_ids / positions [R, N], keys / values [R, nkv, capacity, d] (the rows' cache),
+    row i's N new keys written in place at slots starts[i]..starts[i]+N-1, mask [R, 1, N, S]
+    -> state before pool fusion [R, N, H]."""
+    q, k, v = draft.midlayer.qkv(draft.embed(input_ids), hidden, positions)
+    rows = torch.arange(k.shape[0], device=k.device)[:, None]
+    columns = starts[:, None] + torch.arange(k.shape[2], device=k.device)
+    keys[rows, :, columns] = k.transpose(1, 2).to(keys.dtype)
+    values[rows, :, columns] = v.transpose(1, 2).to(values.dtype)
+    s = mask.shape[-1]
+    attn = draft.midlayer.self_attn.attend_cached(q, keys[:, :, :s], values[:, :, :s], mask)
+    return draft.midlayer.finish(hidden, attn)
+
+
+@dataclass
+class RowView:
+    """One row of a :class:`BatchDraftState` in :class:`.draft_step.DraftState`'s terms
+    (what :func:`.pool_lookup.pool_continuation` reads)."""
+
+    pool: StatePool | None
+    pending: torch.Tensor | None  # [1, 1, H]
+    anchor_pos: int
+
+
+class BatchDraftState:
+    """Draft KV cache, state pools and anchors of ``slots`` sequences, each with its own length."""
+
+    def __init__(self, draft: DraftHead, slots: int, capacity: int = 256):
+        cfg, weight = draft.cfg, draft.fc.weight
+        self.keys = weight.new_zeros(slots, cfg.num_key_value_heads, capacity, cfg.head_dim)
+        self.values = torch.zeros_like(self.keys)
+        self.lengths = [0] * slots  # slots 0..length-1 of a row hold its accepted anchors' step-0 keys
+        self.pool = (StatePool(slots, cfg.pool_size, cfg.hidden_size, dtype=weight.dtype, device=weight.device)
+                     if draft.gate is not None else None)
+        self.pending = weight.new_zeros(slots, 1, cfg.hidden_size)  # each row's anchor step-0 state, not pooled yet
+        self.anchor_state = weight.new_zeros(slots, 1, cfg.hidden_size)  # its fused state: drafting's input
+        self.anchor_pos = [-1] * slots
+
+    def reserve(self, total: int) -> None:
+        """Room for ``total`` slots per row (accepted plus scratch), grown by doubling."""
+        if total <= self.keys.shape[2]:
+            return
+        size = max(total, 2 * self.keys.shape[2])
+        grow = self.keys.new_zeros(*self.keys.shape[:2], size - self.keys.shape[2], self.keys.shape[3])
+        self.keys = torch.cat([self.keys, grow], dim=2)
+        self.values = torch.cat([self.values, torch.zeros_like(grow)], dim=2)
+
+    def row(self, slot: int) -> RowView:
+        pool = self.pool.rows(slice(slot, slot + 1)) if self.pool is not None else None
+        pending = self.pending[slot:slot + 1] if self.anchor_pos[slot] >= 0 else None
+        return RowView(pool, pending, self.anchor_pos[slot])
+
+    def reset_row(self, slot: int) -> None:
+        self.lengths[slot], self.anchor_pos[slot] = 0, -1
+        if self.pool is not None:
+            self.pool.rows(slice(slot, slot + 1)).clear()
+
+    def move_row(self, src: int, dst: int) -> None:
+        """Slot ``src``'s cache, pool and anchor to slot ``dst`` (active rows stay contiguous)."""
+        n = self.lengths[src]
+        self.keys[dst, :, :n] = self.keys[src, :, :n]
+        self.values[dst, :, :n] = self.values[src, :, :n]
+        for t in (self.pending, self.anchor_state) + ((self.pool.states, self.pool.positions, self.pool.count)
+                                                       if self.pool is not None else ()):
+            t[dst] = t[src]
+        self.lengths[dst], self.anchor_pos[dst] = n, self.anchor_pos[src]
+        self.reset_row(src)
+
+
+def extend_rows(draft: DraftHead, state: BatchDraftState, rows: slice, aux: torch.Tensor, next_tokens: torch.Tensor,
+                counts: list[int]) -> None:
+    """Step 0 for the new anchors of rows ``rows``: row i has ``counts[i]`` of them (the rest
+    of its N entries is padding), at positions from its length on.
+
+    aux [R, N, k·H]: the target's features at those positions; next_tokens [R, N]: the
+    token after each (already accepted). A row with no anchor yet (just admitted) starts
+    its pool with this chunk; the others offer their held-back anchor to it first."""
+    n = next_tokens.shape[1]
+    device = next_tokens.device
+    starts = torch.tensor(state.lengths[rows], device=device)
+    count = torch.tensor(counts, device=device)
+    valid = torch.arange(n, device=device)[None] < count[:, None]
+    positions = starts[:, None] + torch.arange(n, device=device)
+    state.reserve(int(starts.max()) + n)
+    hidden = draft.fuse_features(aux)
+    current = forward_rows(draft, state.keys[rows], state.values[rows], hidden, next_tokens, positions, starts,
+                           chunk_mask(starts, n, int(starts.max()) + n))
+    fused = current
+    if state.pool is not None:
+        fused = _pool_step(draft, state, rows, current, positions, valid, count)
+    last = torch.arange(len(counts), device=device), count - 1
+    state.anchor_state[rows] = fused[last][:, None]
+    for i, c in enumerate(counts):
+        state.lengths[rows.start + i] += c
+        state.anchor_pos[rows.start + i] = state.lengths[rows.start + i] - 1
+
+
+def _pool_step(draft: DraftHead, state: BatchDraftState, rows: slice, current: torch.Tensor, positions: torch.Tensor,
+               valid: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
+    """Retrieve and fuse for every new anchor (candidates: the row's pool, its held-back
+    anchor and the chunk), then pool all but the chunk's last anchor, which is held back."""
+    pool = state.pool.rows(rows)
+    started = [state.anchor_pos[r] >= 0 for r in range(rows.start, rows.stop)]
+    if any(started) and not all(started):
+        raise ValueError("rows joining and rows running are extended in separate calls")
+    extra, extra_pos = current, positions.masked_fill(~valid, EMPTY)
+    push = valid & (torch.arange(valid.shape[1], device=valid.device)[None] < count[:, None] - 1)
+    if started[0]:
+        extra = torch.cat([state.pending[rows], current], dim=1)
+        extra_pos = torch.cat([positions[:, :1] - 1, extra_pos], dim=1)
+        push = torch.cat([torch.ones_like(push[:, :1]), push], dim=1)
+    sim, retrieved = pool.retrieve(current, positions, extra, extra_pos)
+    fused, _, _ = draft.pool_fuse(current, sim, retrieved)
+    pool.push(extra, extra_pos, push)
+    state.pending[rows] = current[torch.arange(len(count), device=count.device), count - 1][:, None]
+    return fused

@@ -1,0 +1,102 @@
+"""Draft a token tree per row for a run of rows, each level of every row in one draft forward.
+
+The per-row choice is :func:`.draft_tree.draft_tree`'s (EAGLE-2's expand-then-rerank over
+cumulative draft log-probability, the same candidate bookkeeping); what is batched is the
+arithmetic. Level 1 scores every row's anchor state in one fused norm + GEMM + top-k. Each
+further level runs the draft once over the ``beam`` best nodes of every row (a row with
+fewer worth expanding is padded), node i of level l of row r writing its keys to the
+row's scratch slot ``length[r] + (l - 2)·beam + i`` and seeing the row's cache and its own
+ancestors only; its state is fused with the row's own pool (retrieval by the row's anchor
+window, as in training).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..models.draft_head import DraftHead
+from .batch_draft_step import BatchDraftState, forward_rows
+from .draft_tree import Candidate, TreeShape, add_best, add_children, expandable, lineage, score_top
+from .kernels import pool_fusion
+from .tree import TokenTree
+
+
+def draft_trees(draft: DraftHead, state: BatchDraftState, rows: slice, trees: list[TokenTree],
+                shape: TreeShape) -> list[list[int]]:
+    """Add each row's best ``shape.max_nodes`` candidates below the root of its tree in
+    ``trees`` (one per row of ``rows``); leaves the caches and pools as they were ->
+    each row's new nodes."""
+    if shape.depth == 0 or shape.max_nodes == 0:
+        return [[] for _ in trees]
+    n_rows = len(trees)
+    state.reserve(max(state.lengths[rows]) + shape.beam * max(shape.depth - 1, 0))
+    roots = state.anchor_state[rows][:, 0]  # [R, H]
+    cands: list[list[Candidate]] = [[] for _ in trees]
+    fused_of: list[dict[int, torch.Tensor]] = [{} for _ in trees]  # expanded candidate -> fused state [H]
+    slot_of: list[dict[int, int]] = [{} for _ in trees]  # expanded candidate -> its scratch slot
+    logp, ids = score_top(draft, roots, shape.branch)
+    logp, ids = logp.tolist(), ids.tolist()
+    levels = [add_children(cands[r], [-1], [0.0], [0], logp[r:r + 1], ids[r:r + 1]) for r in range(n_rows)]
+    floor = math.log(shape.min_prob) if shape.min_prob > 0 else -math.inf
+    for level in range(2, shape.depth + 1):
+        chosen = [expandable(cands[r], levels[r], shape.beam, floor) for r in range(n_rows)]
+        if not any(chosen):  # nothing this unlikely is worth a draft forward, let alone verifying
+            break
+        fused = _expand(draft, state, rows, roots, cands, chosen, fused_of, slot_of, shape.beam, level)
+        logp, ids = score_top(draft, fused.reshape(-1, fused.shape[-1]), shape.branch)
+        logp, ids = logp.view(n_rows, shape.beam, -1).tolist(), ids.view(n_rows, shape.beam, -1).tolist()
+        levels = [add_children(cands[r], chosen[r], [cands[r][c].score for c in chosen[r]],
+                               [cands[r][c].depth for c in chosen[r]], logp[r], ids[r]) for r in range(n_rows)]
+    return [add_best(tree, cands[r], shape.max_nodes) for r, tree in enumerate(trees)]
+
+
+def _expand(draft: DraftHead, state: BatchDraftState, rows: slice, roots: torch.Tensor,
+            cands: list[list[Candidate]], chosen: list[list[int]], fused_of: list[dict], slot_of: list[dict],
+            beam: int, level: int) -> torch.Tensor:
+    """Run the draft over every row's chosen nodes of one level (padded to ``beam``) -> their
+    fused states [R, beam, H]; records each node's fused state and scratch slot."""
+    n_rows, device = len(chosen), roots.device
+    lengths = state.lengths[rows]
+    first = [n + (level - 2) * beam for n in lengths]  # this level's scratch slots in each row
+    parents, tokens, depths = [], [], []
+    mask = torch.zeros(n_rows, 1, beam, max(first) + beam, dtype=torch.bool)
+    for r in range(n_rows):
+        mask[r, 0, :, :lengths[r]] = True
+        for i in range(beam):
+            mask[r, 0, i, first[r] + i] = True
+            if i >= len(chosen[r]):  # padding: the row's anchor state, token 0, seen by nobody
+                parents.append(roots[r])
+                tokens.append(0)
+                depths.append(1)
+                continue
+            c = chosen[r][i]
+            p = cands[r][c].parent
+            parents.append(roots[r] if p < 0 else fused_of[r][p])
+            tokens.append(cands[r][c].token)
+            depths.append(cands[r][c].depth)
+            mask[r, 0, i, [slot_of[r][a] for a in lineage(cands[r], p)]] = True
+    ids = torch.tensor(tokens, device=device).view(n_rows, beam)
+    anchors = torch.tensor(state.anchor_pos[rows], device=device)
+    positions = anchors[:, None] + torch.tensor(depths, device=device).view(n_rows, beam)
+    current = forward_rows(draft, state.keys[rows], state.values[rows], draft.carry(torch.stack(parents)).view(
+        n_rows, beam, -1), ids, positions, torch.tensor(first, device=device), mask.to(device))
+    fused = current if state.pool is None else _pool_fuse_rows(draft, state, rows, current, anchors)
+    for r in range(n_rows):
+        for i, c in enumerate(chosen[r]):
+            slot_of[r][c], fused_of[r][c] = first[r] + i, fused[r, i]
+    return fused
+
+
+def _pool_fuse_rows(draft: DraftHead, state: BatchDraftState, rows: slice, current: torch.Tensor,
+                    anchors: torch.Tensor) -> torch.Tensor:
+    """current [R, N, H] -> fused [R, N, H]: each node against its own row's pool, in the
+    window of the row's anchor (one kernel call for all nodes on a GPU)."""
+    pool, gate = state.pool.rows(rows), draft.gate
+    n_rows, n, h = current.shape
+    allowed = pool.window(anchors[:, None])  # [R, 1, S]
+    fused, _, _, _ = pool_fusion(current.reshape(-1, h), pool.states[:, None].expand(-1, n, -1, -1).reshape(
+        n_rows * n, -1, h), allowed.expand(-1, n, -1).reshape(n_rows * n, -1), draft.cfg.pool_threshold,
+        gate.proj.weight, gate.proj.bias, gate.out.weight, gate.out.bias, gate.alpha_max)
+    return fused.view(n_rows, n, h)

@@ -1,0 +1,75 @@
+"""A decoding request's life in the batched runtime: waiting, running, then done.
+
+A request is checked when it is submitted: an empty prompt, a token outside the target's
+vocabulary or a prompt that leaves no room in the target's context fails that request
+alone, with a one-line reason in ``error``, and the others are served.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from .sampling import SamplingParams
+
+
+class Status(str, enum.Enum):
+    WAITING = "waiting"  # submitted, no slot yet
+    RUNNING = "running"  # in a slot, decoding
+    FINISHED = "finished"  # EOS, max_new_tokens or the context's end (``finish_reason``)
+    FAILED = "failed"  # refused: ``error`` says why
+    CANCELLED = "cancelled"
+
+
+@dataclass(eq=False)
+class Request:
+    id: int
+    prompt: list[int]
+    max_new_tokens: int
+    sampling: SamplingParams
+    seed: int  # of this request's own sampling generator
+    eos: frozenset[int]
+    status: Status = Status.WAITING
+    tokens: list[int] = field(default_factory=list)  # new tokens, cut after EOS and at max_new_tokens
+    finish_reason: str | None = None  # "eos", "length", "context", "cancelled", "error"
+    error: str | None = None
+    target_forwards: int = 0  # prefill included
+    accept_lengths: list[int] = field(default_factory=list)  # tokens per verify forward after the prefill
+    tree_sizes: list[int] = field(default_factory=list)  # nodes this row verified per forward, root included
+    submitted_at: float = field(default_factory=time.perf_counter)
+    first_token_at: float | None = None
+    finished_at: float | None = None
+
+    @property
+    def done(self) -> bool:
+        return self.status in (Status.FINISHED, Status.FAILED, Status.CANCELLED)
+
+    @property
+    def latency(self) -> float | None:
+        """Seconds from submission to the last token (None while not done)."""
+        return None if self.finished_at is None else self.finished_at - self.submitted_at
+
+    @property
+    def mean_acceptance(self) -> float:
+        """New tokens per target forward this request took part in (prefill included)."""
+        return len(self.tokens) / max(self.target_forwards, 1)
+
+    def finish(self, status: Status, reason: str, error: str | None = None) -> None:
+        self.status, self.finish_reason, self.error = status, reason, error
+        self.finished_at = time.perf_counter()
+
+
+def check_request(prompt, max_new_tokens: int, vocab_size: int, max_positions: int | None) -> str | None:
+    """Why this request cannot be served (one line), or None."""
+    if max_new_tokens < 1:
+        return f"max_new_tokens must be at least 1, got {max_new_tokens}"
+    if len(prompt) == 0:
+        return "empty prompt: give at least one token to continue"
+    bad = next((t for t in prompt if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        return f"token id {bad} is outside the target's vocabulary (0..{vocab_size - 1})"
+    if max_positions is not None and len(prompt) >= max_positions:
+        return (f"prompt of {len(prompt)} tokens does not fit the target's context of {max_positions} positions "
+                f"(at most {max_positions - 1}, to leave room for a new token)")
+    return None

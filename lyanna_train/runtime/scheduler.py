@@ -1,0 +1,231 @@
+"""Continuous batching for speculative decoding: requests join, decode side by side, leave.
+
+A :class:`BatchDecoder` holds up to ``max_batch`` running sequences in the slots of its
+caches. Three calls drive it — what a server sits on:
+
+* :meth:`~BatchDecoder.submit` queues a request (checked at once: a bad one fails alone,
+  with a one-line ``error``);
+* :meth:`~BatchDecoder.step` admits waiting requests into free slots (their prefill),
+  runs one iteration for the running rows (:mod:`.batch_step`: propose → ONE fused
+  verify → accept) and returns what each request received; a row that finishes (EOS,
+  ``max_new_tokens``, the context's end) frees its slot for the next request;
+* :meth:`~BatchDecoder.cancel` ends a request and frees its slot, touching no other row.
+
+Slots stay contiguous (a freed slot takes the last row), so every forward runs over a
+plain run of rows.
+
+**Verification fusion.** By default every running row's tree is verified in ONE target
+forward every iteration (``DecodeSettings.fusion``: :class:`FusionSettings`
+``micro_batches=1``). The design's variant holds verification: the rows are split into ``micro_batches`` blocks, drafted on
+successive steps, their trees held until every block is ready (a bounded delay of
+``micro_batches - 1`` steps), then verified together, shallow tree levels admitted first
+(``shallow_first``). ``lyanna-bench --batch-size ... --hold K`` measures both.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Iterator, Sequence
+
+import torch
+
+from ..target.capture import LayerCapture
+from ..models.draft_head import DraftHead
+from .batch_draft_step import BatchDraftState
+from .batch_step import Batch, Row, accept_rows, fit_trees, prefill_row, propose_rows, verify_rows
+from .cost import VerifyCost
+from .decode import DecodeSettings, FusionSettings, cut, stop_ids  # FusionSettings: re-exported
+from .ragged_cache import RaggedCache
+from .requests import Request, Status, check_request
+from .sampling import SamplingParams
+from .tree import TokenTree
+
+
+@dataclass
+class Update:
+    """What one request received in one step."""
+
+    request: Request
+    tokens: list[int] = field(default_factory=list)  # new this step, after the cut
+
+    @property
+    def finished(self) -> bool:
+        return self.request.done
+
+
+class BatchDecoder:
+    """Speculative decoding of many requests at once, each lossless as if decoded alone.
+
+    ``draft`` None: prompt lookup only (or plain decoding). ``cost``: the target's forward
+    time per token count (None counts every size alike: an accelerator's regime).
+    ``eos_ids``: stop ids for requests that give none (None: the target's
+    ``generation_config``). ``layer_ids``: the target layers the draft reads. ``fusion``:
+    overrides ``settings.fusion``."""
+
+    def __init__(self, target, draft: DraftHead | None, settings: DecodeSettings = DecodeSettings(),
+                 max_batch: int = 8, cost: VerifyCost | None = None, eos_ids: int | Sequence[int] | None = None,
+                 layer_ids: Sequence[int] | None = None, fusion: FusionSettings | None = None):
+        if max_batch < 1:
+            raise ValueError(f"max_batch must be at least 1, got {max_batch}")
+        capture = None
+        if draft is not None:
+            capture = LayerCapture(target, layer_ids or draft.cfg.aux_layer_ids or None)
+            if capture.aux_size != draft.fc.in_features:
+                raise ValueError(f"the draft's fc reads {draft.fc.in_features} features, "
+                                 f"layers {capture.layer_ids} of the target give {capture.aux_size}")
+        self.batch = Batch(target, draft, capture, RaggedCache.for_model(target, max_batch),
+                           BatchDraftState(draft, max_batch) if draft is not None else None, settings,
+                           cost if settings.verify == "auto" and cost is not None else VerifyCost.flat(),
+                           getattr(target.config, "max_position_embeddings", None))
+        self.max_batch, self.fusion = max_batch, fusion or settings.fusion
+        self.eos = frozenset(stop_ids(target, eos_ids))
+        self.waiting: deque[Request] = deque()
+        self._refused: list[Request] = []  # failed at submit, reported by the next step
+        self._blocks: list[slice] = []  # micro-batches of the current hold cycle still to draft
+        self._held: list[TokenTree] = []  # their drafted trees, rows 0.. in order
+        self._ids = 0
+
+    @property
+    def rows(self) -> list[Row]:
+        return self.batch.rows
+
+    @property
+    def idle(self) -> bool:
+        return not (self.waiting or self.rows or self._refused)
+
+    def submit(self, prompt_ids, max_new_tokens: int, sampling: SamplingParams | None = None, seed: int | None = None,
+               eos_ids: int | Sequence[int] | None = None) -> Request:
+        """Queue a request -> its handle (``status`` FAILED with ``error`` if it cannot be served)."""
+        prompt = torch.as_tensor(prompt_ids, dtype=torch.long).flatten().tolist()
+        eos = self.eos if eos_ids is None else frozenset(stop_ids(self.batch.target, eos_ids))
+        self._ids += 1
+        request = Request(self._ids, prompt, max_new_tokens, sampling or self.batch.settings.sampling,
+                          self.batch.settings.seed if seed is None else seed, eos)
+        error = check_request(prompt, max_new_tokens, self.batch.target.config.vocab_size, self.batch.max_positions)
+        if error is not None:
+            request.finish(Status.FAILED, "error", error)
+            self._refused.append(request)
+        else:
+            self.waiting.append(request)
+        return request
+
+    def cancel(self, request: Request) -> bool:
+        """End ``request`` now (its slot is freed; no other row is touched) -> whether it was live."""
+        if request.done:
+            return False
+        if request in self.waiting:
+            self.waiting.remove(request)
+        request.finish(Status.CANCELLED, "cancelled")
+        if not self._blocks:  # mid hold-cycle, rows stay in place until it is verified
+            with torch.inference_mode():
+                self._free_done()
+        return True
+
+    def step(self) -> list[Update]:
+        """Admit, then one iteration for the running rows -> each request's news this step."""
+        updates = [Update(r) for r in self._refused]
+        self._refused = []
+        with torch.inference_mode():
+            self._admit(updates)
+            if not self._blocks:  # mid hold-cycle, rows stay in place until it is verified
+                self._free_done()
+            if self.rows and self.fusion.micro_batches == 1:
+                rows = slice(0, len(self.rows))
+                self._verify(rows, propose_rows(self.batch, rows), updates)
+            elif self.rows:
+                self._hold_step(updates)
+            if not self._blocks:
+                self._free_done()
+        return updates
+
+    def run(self) -> Iterator[Update]:
+        """Step until every request is done, yielding each update."""
+        while not self.idle:
+            yield from self.step()
+
+    def _admit(self, updates: list[Update]) -> None:
+        while self.waiting and len(self.rows) < self.max_batch:
+            request = self.waiting.popleft()
+            context = torch.zeros(len(request.prompt) + request.max_new_tokens + 64, dtype=torch.long)
+            context[:len(request.prompt)] = torch.tensor(request.prompt)
+            row = Row(request, context, len(request.prompt), torch.Generator().manual_seed(request.seed))
+            slot = len(self.rows)
+            self.rows.append(row)
+            request.status = Status.RUNNING
+            first = prefill_row(self.batch, slot, row)
+            row.append([first])
+            request.target_forwards = 1
+            request.first_token_at = time.perf_counter()
+            updates.append(self._deliver(row, [first]))
+
+    def _verify(self, rows: slice, trees: list[TokenTree], updates: list[Update]) -> None:
+        active = self.rows[rows]
+        trees = fit_trees(self.batch, active, trees, self.fusion.shallow_first)
+        logits, aux = verify_rows(self.batch, rows, trees)
+        news = accept_rows(self.batch, rows, trees, logits, aux)
+        for row, tree, new in zip(active, trees, news):
+            row.request.target_forwards += 1
+            row.request.accept_lengths.append(len(new))
+            row.request.tree_sizes.append(len(tree))
+            if not row.request.done:  # cancelled mid hold-cycle: verified with the others, nothing delivered
+                updates.append(self._deliver(row, new))
+
+    def _hold_step(self, updates: list[Update]) -> None:
+        """Draft the next micro-batch; when every block of the cycle is drafted, verify all."""
+        if not self._blocks:
+            n, k = len(self.rows), min(self.fusion.micro_batches, len(self.rows))
+            self._blocks = [slice(n * i // k, n * (i + 1) // k) for i in range(k)]
+            self._held = []
+        block = self._blocks.pop(0)
+        self._held += propose_rows(self.batch, block)
+        if not self._blocks:
+            self._verify(slice(0, len(self._held)), self._held, updates)
+            self._held = []
+
+    def _deliver(self, row: Row, new: list[int]) -> Update:
+        """Append a row's new tokens to its request (cut at EOS / its token budget)."""
+        request = row.request
+        before = len(request.tokens)
+        limit = request.max_new_tokens
+        if self.batch.max_positions is not None:
+            limit = min(limit, self.batch.max_positions - len(request.prompt))
+        request.tokens, done = cut(request.tokens + new, request.eos, limit)
+        if done:
+            reason = "eos" if request.tokens[-1] in request.eos else \
+                "length" if len(request.tokens) >= request.max_new_tokens else "context"
+            request.finish(Status.FINISHED, reason)
+        return Update(request, request.tokens[before:])
+
+    def _free_done(self) -> None:
+        """Free the slots of finished and cancelled rows; the last row takes each freed slot."""
+        for slot in reversed(range(len(self.rows))):
+            if self.rows[slot].request.done:
+                last = len(self.rows) - 1
+                if slot != last:
+                    self.batch.cache.move_row(last, slot)
+                    if self.batch.draft_state is not None:
+                        self.batch.draft_state.move_row(last, slot)
+                    self.rows[slot] = self.rows[last]
+                else:
+                    self.batch.cache.reset_row(slot)
+                    if self.batch.draft_state is not None:
+                        self.batch.draft_state.reset_row(slot)
+                self.rows.pop()
+
+
+def generate_batch(target, draft: DraftHead | None, prompts: Sequence, max_new_tokens: int,
+                   settings: DecodeSettings = DecodeSettings(), max_batch: int = 8, cost: VerifyCost | None = None,
+                   eos_ids: int | Sequence[int] | None = None, layer_ids: Sequence[int] | None = None,
+                   fusion: FusionSettings | None = None,
+                   sampling: Sequence[SamplingParams | None] | None = None,
+                   seeds: Sequence[int | None] | None = None) -> list[Request]:
+    """Decode ``prompts`` with at most ``max_batch`` at a time (continuous batching) ->
+    their requests, in order (``tokens``, ``status``, ``error``, timings)."""
+    decoder = BatchDecoder(target, draft, settings, max_batch, cost, eos_ids, layer_ids, fusion)
+    requests = [decoder.submit(p, max_new_tokens, sampling[i] if sampling else None, seeds[i] if seeds else None)
+                for i, p in enumerate(prompts)]
+    for _ in decoder.run():
+        pass
+    return requests

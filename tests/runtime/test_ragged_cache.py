@@ -1,0 +1,105 @@
+"""The ragged KV cache: rows of different lengths in one forward, each scored as if alone,
+rolled back to any accepted path, moved and reused; its masks against the batch-1 ones."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lyanna_train.runtime.batch_draft_step import chunk_mask
+from lyanna_train.runtime.ragged_cache import RaggedCache, ragged_mask
+from lyanna_train.runtime.target_step import ragged_forward
+from lyanna_train.runtime.tree import TokenTree, attention_mask
+
+PROMPTS = [[1, 5, 7, 9, 11, 13, 15, 17, 19], [1, 2], [1, 100, 101, 102, 103]]
+
+
+def _tree(paths) -> TokenTree:
+    tree = TokenTree.rooted_at(paths[0][0])
+    for path in paths:
+        tree.add_path(path[1:])
+    return tree
+
+
+TREES = [_tree([[20, 21, 22], [20, 23, 24], [20, 25]]), _tree([[30]]), _tree([[40, 41], [40, 42, 43]])]
+
+
+def _alone(target, seq: list[int]) -> torch.Tensor:
+    return target(torch.tensor([seq]), use_cache=False).logits[0, -1]
+
+
+def _prefill(target, cache: RaggedCache, slot: int, prompt: list[int]) -> torch.Tensor:
+    offsets = cache.begin(slice(slot, slot + 1), len(prompt))
+    logits, _ = ragged_forward(target, None, cache, torch.tensor([prompt]), torch.arange(len(prompt))[None],
+                               chunk_mask(offsets, len(prompt), len(prompt)))
+    cache.advance(slot, len(prompt))
+    return logits[0]
+
+
+def _verify(target, cache: RaggedCache, rows: slice, trees: list[TokenTree]) -> torch.Tensor:
+    width = max(len(t) for t in trees)
+    pad = lambda values, fill: [v + [fill] * (width - len(v)) for v in values]  # noqa: E731
+    parents = torch.tensor(pad([t.parents for t in trees], -1))
+    offsets = cache.begin(rows, width)
+    logits, _ = ragged_forward(target, None, cache, torch.tensor(pad([t.tokens for t in trees], 0)),
+                               offsets[:, None] + torch.tensor(pad([t.depths for t in trees], 0)),
+                               ragged_mask(offsets, parents, cache.plan.kv_length))
+    return logits
+
+
+def test_rows_of_any_length_are_scored_as_if_alone_and_roll_back_to_any_path(tiny_target):
+    """Prefill rows one by one (the buffer grows past its first capacity), verify three
+    trees of different sizes in one forward, keep a non-prefix path per row, continue:
+    every logit equals a cache-free forward over that row's own sequence."""
+    cache = RaggedCache.for_model(tiny_target, slots=3, capacity=4)
+    with torch.inference_mode():
+        for slot, prompt in enumerate(PROMPTS):
+            torch.testing.assert_close(_prefill(tiny_target, cache, slot, prompt)[-1], _alone(tiny_target, prompt),
+                                       atol=1e-4, rtol=1e-4)
+        logits = _verify(tiny_target, cache, slice(0, 3), TREES)
+        for i, tree in enumerate(TREES):
+            for node in range(len(tree)):
+                seq = PROMPTS[i] + tree.path_tokens(tree.ancestors(node))
+                torch.testing.assert_close(logits[i, node], _alone(tiny_target, seq), atol=1e-4, rtol=1e-4)
+        kept = [TREES[0].ancestors(4), [0], TREES[2].ancestors(3)]  # 20 -> 23 -> 24; root only; 40 -> 42 -> 43
+        assert kept[0] != list(range(len(kept[0])))
+        cache.keep(slice(0, 3), kept)
+        assert cache.lengths == [len(p) + len(k) for p, k in zip(PROMPTS, kept)]
+        after = _verify(tiny_target, cache, slice(0, 3), [_tree([[50, 51]]), _tree([[60]]), _tree([[70]])])
+        for i, (k, nxt) in enumerate(zip(kept, ([50, 51], [60], [70]))):
+            seq = PROMPTS[i] + TREES[i].path_tokens(k) + nxt
+            torch.testing.assert_close(after[i, len(nxt) - 1], _alone(tiny_target, seq), atol=1e-4, rtol=1e-4)
+
+
+def test_a_moved_row_and_a_reused_slot_decode_as_if_alone(tiny_target):
+    cache = RaggedCache.for_model(tiny_target, slots=2)
+    with torch.inference_mode():
+        _prefill(tiny_target, cache, 0, PROMPTS[0])
+        _prefill(tiny_target, cache, 1, PROMPTS[2])
+        cache.move_row(1, 0)  # row 0 finished: the last row takes its slot
+        assert cache.lengths == [len(PROMPTS[2]), 0]
+        _prefill(tiny_target, cache, 1, PROMPTS[1])  # the freed slot, reused
+        logits = _verify(tiny_target, cache, slice(0, 2), [_tree([[40, 41]]), _tree([[30, 31]])])
+        torch.testing.assert_close(logits[0, 1], _alone(tiny_target, PROMPTS[2] + [40, 41]), atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(logits[1, 1], _alone(tiny_target, PROMPTS[1] + [30, 31]), atol=1e-4, rtol=1e-4)
+
+
+def test_ragged_mask_is_the_batch1_mask_per_row():
+    trees = TREES + [TokenTree.rooted_at(3)]
+    width = max(len(t) for t in trees)
+    parents = torch.tensor([t.parents + [-1] * (width - len(t)) for t in trees])
+    offsets = torch.tensor([4, 0, 7, 2])
+    mask = ragged_mask(offsets, parents, 7 + width)
+    for i, tree in enumerate(trees):
+        n, past = len(tree), int(offsets[i])
+        assert torch.equal(mask[i, 0, :n, :past + n], attention_mask(tree.parents, past)[0, 0])
+        assert not mask[i, 0, :n, past + n:].any()  # nothing past the row's own nodes
+        for j in range(n, width):  # padding: the row's cache and itself, seen by nobody
+            assert mask[i, 0, j].nonzero().flatten().tolist() == list(range(past)) + [past + j]
+            assert not mask[i, 0, :, past + j][:n].any()
+
+
+def test_a_target_with_sliding_window_layers_is_refused_by_name(tiny_target, monkeypatch):
+    monkeypatch.setattr(tiny_target.config, "layer_types", ["full_attention", "sliding_attention"] * 2, raising=False)
+    with pytest.raises(ValueError, match="full-attention layers only.*sliding_attention"):
+        RaggedCache.for_model(tiny_target, slots=2)
