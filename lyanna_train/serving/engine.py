@@ -15,6 +15,8 @@ import queue
 import threading
 from dataclasses import dataclass, field
 
+import torch
+
 from ..runtime.requests import Request, Status
 from ..runtime.sampling import SamplingParams
 from ..runtime.scheduler import BatchDecoder
@@ -62,6 +64,7 @@ class Engine:
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._jobs: dict[Request, Job] = {}
         self._thread = threading.Thread(target=self._run, name="lyanna-engine", daemon=True)
+        self._threads = torch.get_num_threads()  # OpenMP settings are per thread: carry the caller's over
         self.failure: BaseException | None = None
 
     @property
@@ -92,6 +95,7 @@ class Engine:
             self._thread.join(timeout)
 
     def _run(self) -> None:
+        torch.set_num_threads(self._threads)
         try:
             while True:
                 command = self._inbox.get() if self.decoder.idle else self._poll()
@@ -136,13 +140,16 @@ class Engine:
             self._fail_all(f"internal error while decoding: {type(err).__name__}: {err}")
             return
         self.metrics.steps.inc()
-        for update in updates:
+        # A request can get two updates in one step (its prefill token, then a verify's), and
+        # ``Update.finished`` reads the request's state now: only its last update ends it.
+        last = {id(update.request): i for i, update in enumerate(updates)}
+        for i, update in enumerate(updates):
             job = self._jobs.get(update.request)
             if job is None:
                 continue
             self.metrics.generated(len(update.tokens))
             request = update.request
-            if update.finished:
+            if update.finished and last[id(request)] == i:
                 self._finished(job, Event(update.tokens, request.finish_reason, request.error,
                                           refused=request.status is Status.FAILED))
             elif update.tokens:

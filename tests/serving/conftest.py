@@ -17,14 +17,20 @@ MODEL = "tiny-llama"
 
 @pytest.fixture(scope="package")
 def tiny(tmp_path_factory):
-    """(tokenizer, target, draft loaded from its export, export dir)."""
+    """(tokenizer, target, draft loaded from its export, export dir), and a copy of the target
+    and draft for reference decodings in the test thread (capture hooks and the draft's pool
+    are per model: the server's engine thread owns the originals)."""
+    import copy
+
     from lyanna_train.export.loader import load_exported
 
     tokenizer = byte_level_tokenizer()
     target = tiny_llama(tokenizer)
     export = export_random_draft(tmp_path_factory.mktemp("serve"), target, tokenizer)
     draft, _ = load_exported(export, target, tokenizer)
-    return SimpleNamespace(tokenizer=tokenizer, target=target, draft=draft, export=export)
+    reference = SimpleNamespace(target=copy.deepcopy(target))
+    reference.draft, _ = load_exported(export, reference.target, tokenizer)
+    return SimpleNamespace(tokenizer=tokenizer, target=target, draft=draft, export=export, reference=reference)
 
 
 def start_server(app, server=None) -> SimpleNamespace:

@@ -19,7 +19,7 @@ import pytest
 
 from .conftest import MODEL, start_server
 
-LONG = list(range(3, 603))  # 600 token ids: past the tiny target's 512-position context
+LONG = [5, 6, 7] * 200  # 600 token ids: past the tiny target's 512-position context
 
 
 @pytest.mark.parametrize("case, body, param, code", [
@@ -155,12 +155,15 @@ def test_drain_finishes_short_requests_cuts_long_ones_at_the_bound_and_refuses_n
         httpx.get(f"{running.url}/health", timeout=5)
 
 
-def test_while_draining_new_requests_get_a_503_and_health_says_so(server, client, monkeypatch):
-    monkeypatch.setattr(server.app.state, "draining", True)
-    with pytest.raises(openai.InternalServerError, match="shutting down") as caught:
-        client.completions.create(model=MODEL, prompt="hi", max_tokens=2)
-    assert caught.value.status_code == 503 and caught.value.body["code"] == "shutting_down"
-    assert httpx.get(f"{server.url}/health").status_code == 503
+def test_while_draining_new_requests_get_a_503_and_health_says_so(server, client):
+    server.app.state.draining = True
+    try:
+        with pytest.raises(openai.InternalServerError, match="shutting down") as caught:
+            client.completions.create(model=MODEL, prompt="hi", max_tokens=2)
+        assert caught.value.status_code == 503 and caught.value.body["code"] == "shutting_down"
+        assert httpx.get(f"{server.url}/health").status_code == 503
+    finally:
+        server.app.state.draining = False
 
 
 def _free_port() -> int:

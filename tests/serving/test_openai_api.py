@@ -22,7 +22,8 @@ CONVERSATION = [{"role": "system", "content": "Be brief."}, {"role": "user", "co
 
 def reference(tiny, prompt_ids: list[int], max_tokens: int) -> str:
     """What lyanna-generate prints for these prompt ids: one prompt decoded alone."""
-    result = generate(tiny.target, tiny.draft, prompt_ids, max_tokens, load_decode_settings("default"))
+    result = generate(tiny.reference.target, tiny.reference.draft, prompt_ids, max_tokens,
+                      load_decode_settings("default"))
     assert len(result.tokens) == max_tokens  # the tiny target has no EOS: every budget is used
     return tiny.tokenizer.decode(result.tokens, skip_special_tokens=True)
 
@@ -78,7 +79,7 @@ def test_greedy_completion_equals_lyanna_generate_and_the_target(client, tiny, s
         assert text == want and final == "length" and usage.completion_tokens == 20 and usage.prompt_tokens == len(ids)
     with torch.inference_mode():  # and the target's own greedy decoding, for one prompt given as token ids
         ids = tiny.tokenizer(PROMPTS[1])["input_ids"]
-        own = tiny.target.generate(torch.tensor([ids]), max_new_tokens=20, do_sample=False)[0, len(ids):]
+        own = tiny.reference.target.generate(torch.tensor([ids]), max_new_tokens=20, do_sample=False)[0, len(ids):]
     response = client.completions.create(model=MODEL, prompt=ids, max_tokens=20, temperature=0)
     assert response.choices[0].text == tiny.tokenizer.decode(own, skip_special_tokens=True)
 
