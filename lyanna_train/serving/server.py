@@ -9,6 +9,8 @@ app's lifespan stops the engine thread and the process exits 0.
 from __future__ import annotations
 
 import logging
+import signal
+import threading
 
 import uvicorn
 
@@ -51,4 +53,12 @@ def serve(app, host: str = "127.0.0.1", port: int = 8000, shutdown_timeout: floa
     logging.getLogger("lyanna_train.serving").setLevel(log_level.upper())
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=shutdown_timeout,
                             lifespan="on")
-    DrainingServer(config).run()
+    # uvicorn raises the signal again once it has drained (so a parent sees it); with this
+    # handler in place that is a no-op and a drained SIGTERM exits 0. Ctrl-C still ends as an interrupt.
+    previous = signal.signal(signal.SIGTERM, lambda *_: None) if threading.current_thread() is threading.main_thread() \
+        else None
+    try:
+        DrainingServer(config).run()
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
