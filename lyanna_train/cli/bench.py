@@ -3,15 +3,19 @@
     lyanna-bench --draft exports/smollm2-lyanna --num-prompts 8 --max-new-tokens 128
     lyanna-bench --draft exports/smollm2-lyanna --prompts humaneval --turns 1 --methods target,pld,lyanna,lookup
     lyanna-bench --draft exports/smollm2-lyanna --decode chain --set tree.depth=6 --out checkpoints/bench-chain6
+    lyanna-bench --draft exports/smollm2-lyanna --batch-size 1,2,4,8,16 --num-prompts 8 --max-new-tokens 64
 
 Writes OUT/<method>.jsonl (Spec-Bench layout), summary.json, summary.md and bench.png; prints
 the table and the lossless verdict (exit status 1 when a greedy method differs from the target).
+With --batch-size: batched decoding (:mod:`lyanna_train.evaluation.batched`), first turns only,
+total tokens/s and per-request latency per batch size; summary.json, summary.md, batched.png.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 from .common import entry_point
@@ -26,14 +30,33 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-prompts", type=int, default=0, help="N questions spread evenly over the set (default: all)")
     p.add_argument("--turns", type=int, choices=(1, 2), default=2, help="turns per question (default 2)")
     p.add_argument("--max-new-tokens", type=int, default=128, help="per turn (default 128)")
-    p.add_argument("--methods", default="target,pld,lyanna",
+    p.add_argument("--methods", default=None,
                    help="comma-separated, default target,pld,lyanna; also stock (target.generate with torch's own "
                    "nn.Linear: an unmodified transformers, the slowest) and lookup (our runtime, prompt lookup only)")
     p.add_argument("--pld-tokens", type=int, default=10, help="prompt_lookup_num_tokens for pld (default 10)")
     p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=True,
                    help="render prompts with the tokenizer's chat template (default on)")
+    p.add_argument("--batch-size", metavar="B,B,...",
+                   help="batched decoding at these batch sizes (e.g. 1,2,4,8,16): each size decodes max(N, B) first "
+                   "turns, all submitted at once; methods then default to target,lyanna,pool-off,lookup,single "
+                   "(target: generate with left padding; pool-off: the head without pool and α-gate; single: "
+                   "today's one-sequence runtime, at batch 1)")
+    p.add_argument("--hold", default="", metavar="K,K,...",
+                   help="with --batch-size: also lyanna with verification held for K micro-batches (e.g. 2,3)")
     p.add_argument("--out", help="output directory (default checkpoints/bench-<draft>-<prompts>); replaced at the end")
     return p
+
+
+def _int_list(text: str, flag: str, least: int) -> list[int]:
+    from ..errors import LyannaError
+
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        values = []
+    if not values and text.strip() or any(v < least for v in values):
+        raise LyannaError(f"{flag} takes comma-separated integers of at least {least}, got {text!r}")
+    return values
 
 
 def markdown_table(summary: dict, lossless: dict, depths: int = 3) -> str:
@@ -109,9 +132,11 @@ def main(argv: list[str]) -> int:
     from ..runtime.settings import load_decode_settings
 
     args = build_parser().parse_args(argv)
-    names = [m.strip() for m in args.methods.split(",") if m.strip()]
     if args.max_new_tokens < 1 or args.num_prompts < 0 or args.pld_tokens < 1:
         raise LyannaError("--max-new-tokens and --pld-tokens must be at least 1, --num-prompts at least 0")
+    if args.batch_size is not None:
+        return _batched_main(args)
+    names = [m.strip() for m in (args.methods or "target,pld,lyanna").split(",") if m.strip()]
     if "lyanna" in names and args.draft is None:
         raise LyannaError("the lyanna method needs --draft EXPORT_DIR")
     B.check_methods(names)  # before anything loads
@@ -166,6 +191,72 @@ def _run(args, names: list[str], settings, questions: list, out: Path) -> int:
         plot(summary, tmp / "bench.png")
     print(f"wrote {out}")
     return 1 if lossless["checked"] and not lossless["identical"] else 0
+
+
+def _batched_main(args) -> int:
+    from ..errors import LyannaError
+    from ..evaluation import batched as BB
+    from ..evaluation.prompts import read_questions
+    from ..locks import output_lock
+    from ..runtime.settings import load_decode_settings
+
+    sizes = _int_list(args.batch_size, "--batch-size", 1)
+    holds = _int_list(args.hold, "--hold", 2)
+    if not sizes:
+        raise LyannaError("--batch-size needs at least one size")
+    names = [m.strip() for m in args.methods.split(",") if m.strip()] if args.methods is not None else \
+        [m for m in BB.BATCH_METHODS if args.draft is not None or m in ("target", "lookup")]
+    BB.check_batch_methods(names, args.draft is not None)
+    if holds and args.draft is None:
+        raise LyannaError("--hold measures the lyanna method: it needs --draft EXPORT_DIR")
+    settings = load_decode_settings(args.decode, args.overrides)
+    questions = read_questions(args.prompts, max(args.num_prompts, max(sizes)) if args.num_prompts else None)
+    if len(questions) < max(sizes):
+        raise LyannaError(f"batch size {max(sizes)} needs {max(sizes)} prompts; {args.prompts} gives {len(questions)}")
+    out = Path(args.out or f"checkpoints/bench-batched-{Path(args.draft or args.target).name}-{Path(args.prompts).stem}")
+    with output_lock(out):
+        return _run_batched(args, names, holds, sizes, settings, questions, out)
+
+
+def _run_batched(args, names, holds, sizes, settings, questions, out: Path) -> int:
+    import dataclasses
+
+    from ..atomic import atomic_directory
+    from ..evaluation import batched as BB
+    from ..evaluation.benchmark import hf_method
+    from ..evaluation.prompts import render_prompt
+
+    target, tokenizer, draft, cost = load_and_tune(args, any(n != "target" and n != "lookup" for n in names) or holds)
+    methods = BB.make_batch_methods(names, target, draft, settings, cost, holds, args.pld_tokens)
+    prompts = [render_prompt(tokenizer, [{"role": "user", "content": q.turns[0]}], args.chat) for q in questions]
+    warm = prompts[:2]
+    for name, method in methods.items():  # not counted: first calls allocate and fill caches
+        method(warm[:1] if name == "single" else warm, min(args.max_new_tokens, 8), 1 if name == "single" else 2)
+    reference = None
+    if settings.sampling.greedy:
+        alone = hf_method(target, settings)
+        reference = lambda p: alone(p, args.max_new_tokens).tokens  # noqa: E731
+    results = BB.measure(methods, prompts, sizes, args.max_new_tokens, args.num_prompts, reference,
+                         progress=lambda line: print(line, file=sys.stderr, flush=True))
+    table = BB.markdown_table(results)
+    ratios = BB.ratio_lines(results)
+    verdict, ok = BB.lossless_lines(results)
+    print(table)
+    print("\n".join(ratios + verdict))
+    meta = {"draft": args.draft, "target": args.target, "prompts": args.prompts, "max_new_tokens": args.max_new_tokens,
+            "num_prompts": args.num_prompts, "batch_sizes": sizes, "methods": list(methods), "holds": holds,
+            "decode": {"preset": args.decode, "overrides": args.overrides, **dataclasses.asdict(settings)},
+            "chat": args.chat, "environment": _environment(target)}
+    with atomic_directory(out, overwrite=True) as tmp:
+        (tmp / "summary.json").write_text(json.dumps({**meta, "results": {str(b): r for b, r in results.items()},
+                                                      "ratios": ratios, "lossless": verdict}, indent=2) + "\n",
+                                          encoding="utf-8")
+        (tmp / "summary.md").write_text(
+            f"# lyanna-bench --batch-size {args.batch_size}: {args.prompts}, first turns, "
+            f"{args.max_new_tokens} new tokens\n\n{table}\n\n" + "\n".join(ratios + verdict) + "\n", encoding="utf-8")
+        BB.plot(results, tmp / "batched.png")
+    print(f"wrote {out}")
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":

@@ -70,14 +70,21 @@ class _Recorder:
         self.inputs.append(int(ids.shape[-1]) if ids is not None else 0)
 
 
-def hf_method(target, settings: DecodeSettings, prompt_lookup_tokens: int | None = None) -> Method:
-    """``target.generate`` (greedy, or sampling as ``settings.sampling``), with transformers'
-    prompt lookup when ``prompt_lookup_tokens`` is given."""
+def generate_kwargs(target, settings: DecodeSettings) -> tuple[set[int], dict]:
+    """(the stop ids our runtime uses, ``target.generate`` arguments that decode as ``settings``
+    do: greedy or the same sampling, the same stop ids, a pad id)."""
     eos = decode.stop_ids(target, None)  # the very set our runtime stops at
     pad = getattr(target.generation_config, "pad_token_id", None)
     params = settings.sampling
     extra = {"do_sample": False} if params.greedy else {
         "do_sample": True, "temperature": params.temperature, "top_k": params.top_k, "top_p": params.top_p}
+    return eos, {"pad_token_id": pad if pad is not None else min(eos, default=0), **extra}
+
+
+def hf_method(target, settings: DecodeSettings, prompt_lookup_tokens: int | None = None) -> Method:
+    """``target.generate`` (greedy, or sampling as ``settings.sampling``), with transformers'
+    prompt lookup when ``prompt_lookup_tokens`` is given."""
+    eos, extra = generate_kwargs(target, settings)
     if prompt_lookup_tokens:
         extra["prompt_lookup_num_tokens"] = prompt_lookup_tokens
 
@@ -90,7 +97,6 @@ def hf_method(target, settings: DecodeSettings, prompt_lookup_tokens: int | None
             begin = time.perf_counter()
             with torch.inference_mode():
                 out = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-                                      pad_token_id=pad if pad is not None else min(eos, default=0),
                                       streamer=recorder, **extra)
             wall = time.perf_counter() - begin
         finally:

@@ -49,9 +49,22 @@ class LookupSettings:
 
 
 @dataclass(frozen=True)
+class FusionSettings:
+    """How the batched runtime (:mod:`.scheduler`) fuses verification; batch 1 ignores it."""
+
+    micro_batches: int = 1  # 1: verify every running row every iteration; k > 1: hold until k blocks are drafted
+    shallow_first: bool = False  # under the fused token budget, admit nodes by depth before probability
+
+    def __post_init__(self):
+        if self.micro_batches < 1:
+            raise ValueError(f"micro_batches must be at least 1, got {self.micro_batches}")
+
+
+@dataclass(frozen=True)
 class DecodeSettings:
     tree: TreeShape = TreeShape()
     lookup: LookupSettings = LookupSettings()
+    fusion: FusionSettings = FusionSettings()
     sampling: SamplingParams = SamplingParams()
     seed: int = 0  # of the sampling generator
     # "auto": verify the candidates that maximise expected tokens per second of measured

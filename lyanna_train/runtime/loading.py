@@ -39,3 +39,19 @@ def load_models(draft_dir: str | None, target_spec: str | None, need_draft: bool
         hf_logging.enable_progress_bar()
     draft = load_exported(draft_dir, target, tokenizer)[0] if draft_dir is not None and need_draft else None
     return target, tokenizer, draft
+
+
+def without_pool(draft):
+    """The same head with its state pool and α-gate off (the design's EAGLE baseline): a
+    shallow copy sharing every layer, so the linear forms tuned for ``draft``
+    (:mod:`.small_linear`) serve it too. Decoding keys the pool off ``draft.gate``."""
+    import copy
+    import dataclasses
+
+    if draft is None or draft.gate is None:
+        return draft
+    bare = copy.copy(draft)
+    bare._modules = dict(draft._modules)  # copy.copy shares the dict: the original keeps its gate
+    bare._modules["gate"] = None
+    bare.cfg = dataclasses.replace(draft.cfg, pool_size=0)
+    return bare

@@ -15,11 +15,11 @@ Slots stay contiguous (a freed slot takes the last row), so every forward runs o
 plain run of rows.
 
 **Verification fusion.** By default every running row's tree is verified in ONE target
-forward every iteration (:class:`FusionSettings` ``micro_batches=1``). The design's
-variant holds verification: the rows are split into ``micro_batches`` blocks, drafted on
+forward every iteration (``DecodeSettings.fusion``: :class:`FusionSettings`
+``micro_batches=1``). The design's variant holds verification: the rows are split into ``micro_batches`` blocks, drafted on
 successive steps, their trees held until every block is ready (a bounded delay of
 ``micro_batches - 1`` steps), then verified together, shallow tree levels admitted first
-(``shallow_first``). ``bench/fusion.py`` measures both.
+(``shallow_first``). ``lyanna-bench --batch-size ... --hold K`` measures both.
 """
 
 from __future__ import annotations
@@ -36,21 +36,11 @@ from ..models.draft_head import DraftHead
 from .batch_draft_step import BatchDraftState
 from .batch_step import Batch, Row, accept_rows, fit_trees, prefill_row, propose_rows, verify_rows
 from .cost import VerifyCost
-from .decode import DecodeSettings, cut, stop_ids
+from .decode import DecodeSettings, FusionSettings, cut, stop_ids  # FusionSettings: re-exported
 from .ragged_cache import RaggedCache
 from .requests import Request, Status, check_request
 from .sampling import SamplingParams
 from .tree import TokenTree
-
-
-@dataclass(frozen=True)
-class FusionSettings:
-    micro_batches: int = 1  # 1: verify every running row every iteration; k > 1: hold until k blocks are drafted
-    shallow_first: bool = False  # under the fused token budget, admit nodes by depth before probability
-
-    def __post_init__(self):
-        if self.micro_batches < 1:
-            raise ValueError(f"micro_batches must be at least 1, got {self.micro_batches}")
 
 
 @dataclass
@@ -71,11 +61,12 @@ class BatchDecoder:
     ``draft`` None: prompt lookup only (or plain decoding). ``cost``: the target's forward
     time per token count (None counts every size alike: an accelerator's regime).
     ``eos_ids``: stop ids for requests that give none (None: the target's
-    ``generation_config``). ``layer_ids``: the target layers the draft reads."""
+    ``generation_config``). ``layer_ids``: the target layers the draft reads. ``fusion``:
+    overrides ``settings.fusion``."""
 
     def __init__(self, target, draft: DraftHead | None, settings: DecodeSettings = DecodeSettings(),
                  max_batch: int = 8, cost: VerifyCost | None = None, eos_ids: int | Sequence[int] | None = None,
-                 layer_ids: Sequence[int] | None = None, fusion: FusionSettings = FusionSettings()):
+                 layer_ids: Sequence[int] | None = None, fusion: FusionSettings | None = None):
         if max_batch < 1:
             raise ValueError(f"max_batch must be at least 1, got {max_batch}")
         capture = None
@@ -88,7 +79,7 @@ class BatchDecoder:
                            BatchDraftState(draft, max_batch) if draft is not None else None, settings,
                            cost if settings.verify == "auto" and cost is not None else VerifyCost.flat(),
                            getattr(target.config, "max_position_embeddings", None))
-        self.max_batch, self.fusion = max_batch, fusion
+        self.max_batch, self.fusion = max_batch, fusion or settings.fusion
         self.eos = frozenset(stop_ids(target, eos_ids))
         self.waiting: deque[Request] = deque()
         self._refused: list[Request] = []  # failed at submit, reported by the next step
@@ -227,7 +218,7 @@ class BatchDecoder:
 def generate_batch(target, draft: DraftHead | None, prompts: Sequence, max_new_tokens: int,
                    settings: DecodeSettings = DecodeSettings(), max_batch: int = 8, cost: VerifyCost | None = None,
                    eos_ids: int | Sequence[int] | None = None, layer_ids: Sequence[int] | None = None,
-                   fusion: FusionSettings = FusionSettings(),
+                   fusion: FusionSettings | None = None,
                    sampling: Sequence[SamplingParams | None] | None = None,
                    seeds: Sequence[int | None] | None = None) -> list[Request]:
     """Decode ``prompts`` with at most ``max_batch`` at a time (continuous batching) ->

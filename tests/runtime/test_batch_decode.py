@@ -232,3 +232,50 @@ def test_a_cancelled_request_frees_its_slot_and_leaves_the_others_untouched(tiny
     assert len(victim.tokens) == seen
     assert victim.tokens == references[1][:seen]
     assert [requests[i].tokens for i in (0, 2, 3)] == [references[i] for i in (0, 2, 3)]
+
+
+def test_bad_requests_joining_a_running_batch_fail_alone(tiny_target, references):
+    """Refused mid-run (empty, longer than the context) and through generate_batch: the
+    running rows never notice."""
+    settings = DecodeSettings(TreeShape(2, 2, 2, 4), LookupSettings(3, pool_tokens=3), verify="all")
+    decoder = BatchDecoder(tiny_target, make_draft(tiny_target, True), settings, max_batch=2, eos_ids=(),
+                           layer_ids=LAYER_IDS)
+    good = [decoder.submit(PROMPTS[0], MAX_NEW[0]), decoder.submit(PROMPTS[3], MAX_NEW[3])]
+    decoder.step()
+    decoder.step()
+    limit = tiny_target.config.max_position_embeddings
+    bad = [decoder.submit([], 4), decoder.submit(PROMPTS[2] * limit, 4)]
+    assert [len(decoder.rows), len(decoder.waiting)] == [2, 0]  # refused at once: never queued for a slot
+    updates = decoder.step()
+    assert {u.request.id for u in updates if u.finished} >= {r.id for r in bad}
+    assert all(r.status is Status.FAILED and r.finish_reason == "error" and not r.tokens for r in bad)
+    for _ in decoder.run():
+        pass
+    assert [r.tokens for r in good] == [references[0], references[3]]
+    requests = generate_batch(tiny_target, make_draft(tiny_target, True), [PROMPTS[1], [], PROMPTS[4]], 12, settings,
+                              max_batch=2, eos_ids=(), layer_ids=LAYER_IDS)
+    assert [r.status for r in requests] == [Status.FINISHED, Status.FAILED, Status.FINISHED]
+    assert "empty prompt" in requests[1].error
+    assert [requests[0].tokens, requests[2].tokens] == [references[1][:12], references[4][:12]]
+
+
+def test_a_request_cancelled_mid_hold_cycle_frees_its_slot_after_the_cycle(tiny_target, references):
+    """With verification held over micro-batches, a cancelled row stays in place until its
+    cycle is verified (nothing more is delivered to it), then its slot is freed."""
+    settings = DecodeSettings(TreeShape(2, 2, 2, 4), LookupSettings(3, pool_tokens=3), verify="all")
+    decoder = BatchDecoder(tiny_target, make_draft(tiny_target, True), settings, max_batch=3, eos_ids=(),
+                           layer_ids=LAYER_IDS, fusion=FusionSettings(2))
+    requests = [decoder.submit(p, n) for p, n in zip(PROMPTS[:4], MAX_NEW[:4])]
+    decoder.step()  # admits three rows, drafts the first micro-batch
+    assert decoder._blocks  # mid-cycle
+    victim = requests[1]
+    seen = len(victim.tokens)
+    assert decoder.cancel(victim) and victim.status is Status.CANCELLED
+    assert len(decoder.rows) == 3  # still in place: its tree is held with the others
+    decoder.step()  # the cycle ends: verified, nothing delivered to the victim, its slot freed and taken
+    assert len(victim.tokens) == seen and victim not in [row.request for row in decoder.rows]
+    for _ in decoder.run():
+        pass
+    assert victim.tokens == references[1][:seen]
+    assert [requests[i].tokens for i in (0, 2, 3)] == [references[i] for i in (0, 2, 3)]
+    assert decoder.batch.cache.lengths == [0, 0, 0]

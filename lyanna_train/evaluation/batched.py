@@ -1,0 +1,299 @@
+"""Batched decoding measured side by side: total tokens/s and per-request latency per batch size.
+
+For each batch size B one workload — ``max(N, B)`` prompts, all submitted at once — is
+decoded by every method back to back in one process (the order rotates from one batch
+size to the next), so machine noise hits every method alike and the ratios hold:
+
+* ``target``: transformers ``generate`` over the prompts B at a time, left padded (static
+  batching, as ``generate`` serves a batch), with the same linear forms as our runtime;
+* ``lyanna``: :class:`~lyanna_train.runtime.scheduler.BatchDecoder` with at most B rows
+  (continuous batching), the exported head, the decoding settings given;
+* ``pool-off``: the same, the head's state pool and α-gate off and no pool candidates
+  (the design's EAGLE baseline; prompt lookup stays as configured);
+* ``lookup``: the same scheduler with prompt lookup only (no draft);
+* ``single`` (B = 1 only): today's single-sequence runtime, ``decode.generate`` prompt by prompt;
+* ``lyanna-holdK``: ``lyanna`` with verification held until K micro-batches are drafted
+  (:class:`~lyanna_train.runtime.scheduler.FusionSettings`).
+
+A request's latency runs from the workload's start to its last token (waiting for a slot
+included). Greedy outputs are checked token for token against the target decoding each
+prompt alone.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass, field, replace
+from typing import Callable
+
+import torch
+
+from ..errors import LyannaError
+from ..runtime import decode
+from ..runtime.cost import VerifyCost
+from ..runtime.decode import DecodeSettings, LookupSettings
+from ..runtime.draft_tree import TreeShape
+from ..runtime.loading import without_pool
+from ..runtime.requests import Status
+from ..runtime.scheduler import BatchDecoder, FusionSettings  # noqa: F401 (documented here)
+from .benchmark import generate_kwargs
+
+BATCH_METHODS = ("target", "lyanna", "pool-off", "lookup", "single")
+NUMERICS_ONLY = ("target",)  # left padding and B-row GEMMs may change float summation order: reported, not judged
+
+
+@dataclass
+class BatchRun:
+    """One method on one workload."""
+
+    tokens: list[list[int]]  # per request, in submission order, cut after EOS
+    latencies: list[float]  # per request: seconds from the workload's start to its last token
+    wall_time: float
+    target_forwards: int = 0  # summed over requests (a fused forward counts once per row in it)
+    accept_lengths: list[int] = field(default_factory=list)
+    tree_sizes: list[int] = field(default_factory=list)
+
+
+BatchMethod = Callable[[list[list[int]], int, int], BatchRun]  # (prompts, max_new_tokens, batch size) -> run
+
+
+class _Clock:
+    """A transformers streamer that notes when each decoding step's tokens arrive."""
+
+    def __init__(self):
+        self.times: list[float] = []  # [0]: the prompt; [k]: after the k-th new token
+
+    def put(self, value):
+        self.times.append(time.perf_counter())
+
+    def end(self):
+        pass
+
+
+def hf_batched(target, settings: DecodeSettings) -> BatchMethod:
+    """``target.generate`` over ``batch`` prompts at a time, left padded."""
+    eos, extra = generate_kwargs(target, settings)
+    pad = extra["pad_token_id"]
+
+    def run(prompts: list[list[int]], max_new_tokens: int, batch: int) -> BatchRun:
+        tokens, latencies = [], []
+        torch.manual_seed(settings.seed)
+        begin = time.perf_counter()
+        for start in range(0, len(prompts), batch):
+            chunk = prompts[start:start + batch]
+            width = max(len(p) for p in chunk)
+            ids = torch.full((len(chunk), width), pad, dtype=torch.long)
+            mask = torch.zeros_like(ids)
+            for i, p in enumerate(chunk):
+                ids[i, width - len(p):], mask[i, width - len(p):] = torch.tensor(p), 1
+            clock = _Clock()
+            with torch.inference_mode():
+                out = target.generate(ids.to(target.device), attention_mask=mask.to(target.device),
+                                      max_new_tokens=max_new_tokens, streamer=clock, **extra)
+            for row in out[:, width:].tolist():
+                new, _ = decode.cut(row, eos, max_new_tokens)
+                tokens.append(new)
+                latencies.append(clock.times[min(len(new), len(clock.times) - 1)] - begin)
+        wall = time.perf_counter() - begin
+        return BatchRun(tokens, latencies, wall, sum(len(t) for t in tokens))
+
+    return run
+
+
+def decoder_method(target, draft, settings: DecodeSettings, cost: VerifyCost | None) -> BatchMethod:
+    """Our scheduler with at most ``batch`` running rows, every prompt submitted at once."""
+
+    def run(prompts: list[list[int]], max_new_tokens: int, batch: int) -> BatchRun:
+        decoder = BatchDecoder(target, draft, settings, batch, cost)
+        begin = time.perf_counter()
+        requests = [decoder.submit(p, max_new_tokens) for p in prompts]
+        for _ in decoder.run():
+            pass
+        wall = time.perf_counter() - begin
+        failed = next((r for r in requests if r.status is Status.FAILED), None)
+        if failed is not None:
+            raise LyannaError(f"prompt {failed.id} was refused: {failed.error}")
+        return BatchRun([r.tokens for r in requests], [r.finished_at - begin for r in requests], wall,
+                        sum(r.target_forwards for r in requests), [t for r in requests for t in r.accept_lengths],
+                        [s for r in requests for s in r.tree_sizes])
+
+    return run
+
+
+def single_method(target, draft, settings: DecodeSettings, cost: VerifyCost | None) -> BatchMethod:
+    """The single-sequence runtime (:func:`.decode.generate`), one prompt after another."""
+
+    def run(prompts: list[list[int]], max_new_tokens: int, batch: int) -> BatchRun:
+        out = BatchRun([], [], 0.0)
+        begin = time.perf_counter()
+        for p in prompts:
+            result = decode.generate(target, draft, p, max_new_tokens, settings, cost=cost)
+            out.tokens.append(result.tokens)
+            out.latencies.append(time.perf_counter() - begin)
+            out.target_forwards += result.target_forwards
+            out.accept_lengths += result.accept_lengths
+            out.tree_sizes += result.tree_sizes
+        out.wall_time = time.perf_counter() - begin
+        return out
+
+    return run
+
+
+def check_batch_methods(names, draft_given: bool) -> None:
+    unknown = [n for n in names if n not in BATCH_METHODS]
+    if unknown or not names or len(set(names)) != len(names):
+        raise LyannaError(f"bad methods {list(names)} for --batch-size (choose some of {', '.join(BATCH_METHODS)}, "
+                          f"each once)")
+    if not draft_given and any(n in ("lyanna", "pool-off", "single") for n in names):
+        raise LyannaError("the lyanna, pool-off and single methods need --draft EXPORT_DIR")
+
+
+def make_batch_methods(names, target, draft, settings: DecodeSettings, cost: VerifyCost | None,
+                       holds=(), pld_tokens: int = 10) -> dict[str, BatchMethod]:
+    """The named methods, plus ``lyanna-hold<K>`` for every K in ``holds`` (K ≥ 2)."""
+    lookup = settings.lookup if settings.lookup.max_tokens else LookupSettings(max_tokens=pld_tokens)
+    make = {
+        "target": lambda: hf_batched(target, settings),
+        "lyanna": lambda: decoder_method(target, draft, settings, cost),
+        "pool-off": lambda: decoder_method(target, without_pool(draft),
+                                           replace(settings, lookup=replace(settings.lookup, pool_tokens=0)), cost),
+        "lookup": lambda: decoder_method(target, None, replace(settings, tree=TreeShape(depth=0, max_nodes=0),
+                                                               lookup=replace(lookup, pool_tokens=0)), cost),
+        "single": lambda: single_method(target, draft, settings, cost),
+    }
+    methods = {name: make[name]() for name in names}
+    for k in holds:
+        methods[f"lyanna-hold{k}"] = decoder_method(target, draft, replace(settings, fusion=FusionSettings(k, True)), cost)
+    return methods
+
+
+def percentile(values: list[float], q: float) -> float:
+    """The q-th percentile (0-100), linear between order statistics (numpy's default)."""
+    ordered = sorted(values)
+    at = (len(ordered) - 1) * q / 100
+    low = int(at)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (at - low)
+
+
+def summarize_run(run: BatchRun, reference: list[list[int]] | None) -> dict:
+    tokens = sum(len(t) for t in run.tokens)
+    out = {"requests": len(run.tokens), "new_tokens": tokens, "wall_time": run.wall_time,
+           "tokens_per_s": tokens / run.wall_time if run.wall_time else 0.0,
+           "latency_mean": statistics.fmean(run.latencies), "latency_p50": percentile(run.latencies, 50),
+           "latency_p95": percentile(run.latencies, 95), "tau": tokens / max(run.target_forwards, 1),
+           "mean_tree_size": statistics.fmean(run.tree_sizes) if run.tree_sizes else 1.0}
+    if reference is not None:
+        out["identical"] = sum(a == b for a, b in zip(run.tokens, reference))
+    return out
+
+
+def measure(methods: dict[str, BatchMethod], prompts: list[list[int]], batch_sizes: list[int], max_new_tokens: int,
+            num_prompts: int, reference: Callable[[list[int]], list[int]] | None = None,
+            progress: Callable[[str], None] = lambda line: None) -> dict[int, dict[str, dict]]:
+    """{batch size: {method: summary}}; ``single`` runs at batch size 1 only. ``reference``
+    gives a prompt's greedy tokens decoded alone (None: not checked)."""
+    results: dict[int, dict[str, dict]] = {}
+    refs: dict[int, list[int]] = {}
+    for turn, batch in enumerate(batch_sizes):
+        work = prompts[:max(num_prompts, batch)]
+        if len(work) < batch:
+            raise LyannaError(f"batch size {batch} needs {batch} prompts; the set gives {len(prompts)}")
+        names = [m for m in methods if m != "single" or batch == 1]
+        order = names[turn % len(names):] + names[:turn % len(names)]
+        runs = {}
+        for name in order:
+            runs[name] = methods[name](work, max_new_tokens, batch)
+            progress(f"batch {batch} {name}: {sum(map(len, runs[name].tokens)) / runs[name].wall_time:.1f} tok/s")
+        want = None
+        if reference is not None:
+            if batch == 1 and "target" in runs:  # target.generate of one prompt, unpadded: the reference itself
+                refs.update((i, t) for i, t in enumerate(runs["target"].tokens) if i not in refs)
+            for i, p in enumerate(work):  # after the timed runs: not measured
+                if i not in refs:
+                    refs[i] = reference(p)
+            want = [refs[i] for i in range(len(work))]
+        results[batch] = {name: summarize_run(runs[name], want) for name in names}
+        base = results[batch].get("target", {}).get("tokens_per_s")
+        for s in results[batch].values():
+            s["vs_target"] = s["tokens_per_s"] / base if base else None
+    return results
+
+
+def ratio_lines(results: dict[int, dict[str, dict]]) -> list[str]:
+    """The comparisons the issue sets targets for, per batch size."""
+    lines = []
+    pairs = [("lyanna", "target", {2: 1.5, 16: 1.15}), ("lyanna", "pool-off", {2: 1.1}), ("lyanna", "lookup", {}),
+             ("lyanna", "single", {1: 1.0})]
+    for batch, rows in results.items():
+        parts = []
+        for a, b, targets in pairs:
+            if a in rows and b in rows and rows[b]["tokens_per_s"]:
+                r = rows[a]["tokens_per_s"] / rows[b]["tokens_per_s"]
+                goal = f" (target ≥ {targets[batch]:.2f}: {'met' if r >= targets[batch] else 'MISSED'})" \
+                    if batch in targets else ""
+                parts.append(f"{a}/{b} {r:.2f}×{goal}")
+        for name, s in rows.items():
+            if name.startswith("lyanna-hold") and rows.get("lyanna", {}).get("tokens_per_s"):
+                parts.append(f"{name}/lyanna {s['tokens_per_s'] / rows['lyanna']['tokens_per_s']:.2f}×")
+        lines.append(f"batch {batch}: " + "; ".join(parts))
+    return lines
+
+
+def lossless_lines(results: dict[int, dict[str, dict]]) -> tuple[list[str], bool]:
+    """-> (one line per differing method and batch size, whether every judged method is identical)."""
+    lines, ok = [], True
+    for batch, rows in results.items():
+        for name, s in rows.items():
+            if "identical" in s and s["identical"] < s["requests"]:
+                judged = name not in NUMERICS_ONLY
+                ok &= not judged
+                lines.append(f"  batch {batch} {name}: {s['identical']}/{s['requests']} identical to the target alone"
+                             + ("" if judged else " (left padding / batched GEMMs: float order, not judged)"))
+    checked = any("identical" in s for rows in results.values() for s in rows.values())
+    head = "lossless: not checked" if not checked else "lossless: yes" if ok else "lossless: NO"
+    return [head] + lines, ok
+
+
+def markdown_table(results: dict[int, dict[str, dict]]) -> str:
+    head = ["batch", "method", "requests", "new tokens", "tok/s", "vs target", "latency mean (s)", "p50", "p95",
+            "τ", "tree size", "identical"]
+    rows = ["| " + " | ".join(head) + " |", "|---:|---|" + "---:|" * (len(head) - 2)]
+    for batch, methods in results.items():
+        for name, s in methods.items():
+            vs = f"{s['vs_target']:.2f}×" if s.get("vs_target") else "–"
+            same = f"{s['identical']}/{s['requests']}" if "identical" in s else "–"
+            rows.append("| " + " | ".join([str(batch), name, str(s["requests"]), str(s["new_tokens"]),
+                                           f"{s['tokens_per_s']:.1f}", vs, f"{s['latency_mean']:.2f}",
+                                           f"{s['latency_p50']:.2f}", f"{s['latency_p95']:.2f}", f"{s['tau']:.2f}",
+                                           f"{s['mean_tree_size']:.1f}", same]) + " |")
+    return "\n".join(rows)
+
+
+def plot(results: dict[int, dict[str, dict]], path) -> None:
+    """Total tokens/s, ratio to target-only and median latency against batch size (matplotlib, Agg)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(14, 4))
+    names = list(dict.fromkeys(n for rows in results.values() for n in rows))
+    for name in names:
+        sizes = [b for b in results if name in results[b]]
+        style = {"marker": "o", "label": name}
+        axes[0].plot(sizes, [results[b][name]["tokens_per_s"] for b in sizes], **style)
+        axes[1].plot(sizes, [results[b][name]["vs_target"] or 0.0 for b in sizes], **style)
+        axes[2].plot(sizes, [results[b][name]["latency_p50"] for b in sizes], **style)
+    for ax, label in zip(axes, ("total tokens/s", "tokens/s ÷ target-only at the same batch", "median latency (s)")):
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(list(results), [str(b) for b in results])
+        ax.set_xlabel("batch size")
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
+    axes[1].axhline(1.0, color="grey", linestyle="--", linewidth=1)
+    axes[0].legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -1,0 +1,83 @@
+"""lyanna-bench --batch-size on a tiny random Llama: every method at every batch size, the
+table, ratios, lossless check and plot; bad flags are one line; the pool-off head."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from lyanna_train.cli.bench import main as bench_main
+from lyanna_train.evaluation import batched as BB
+from lyanna_train.runtime.batch_draft_step import BatchDraftState
+from lyanna_train.runtime.loading import without_pool
+
+from .test_generate_bench import H, QUESTIONS, export_dir, prompts_file, target, tokenizer  # noqa: F401 (fixtures)
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture(scope="module")
+def three_prompts(tmp_path_factory):
+    path = tmp_path_factory.mktemp("prompts") / "three.jsonl"
+    extra = {"question_id": 3, "category": "math", "turns": ["What is 7 times 6?"]}
+    path.write_text("".join(json.dumps(q) + "\n" for q in QUESTIONS + [extra]), encoding="utf-8")
+    return path
+
+
+def test_batched_bench_measures_every_method_at_every_size(tmp_path, export_dir, three_prompts, capsys):  # noqa: F811
+    out = tmp_path / "out"
+    argv = ["--draft", str(export_dir), "--prompts", str(three_prompts), "--num-prompts", "2", "--max-new-tokens", "8",
+            "--threads", "1", "--batch-size", "1,3", "--hold", "2", "--out", str(out)]
+    assert bench_main(argv) == 0
+    printed = capsys.readouterr().out
+    assert "| batch | method | requests | new tokens | tok/s | vs target | latency mean (s) | p50 | p95 |" in printed
+    assert "batch 1: lyanna/target" in printed and "lyanna/single" in printed and "lossless: yes" in printed
+    assert {p.name for p in out.iterdir()} == {"summary.json", "summary.md", "batched.png"}
+    summary = json.loads((out / "summary.json").read_text())
+    results = summary["results"]
+    assert set(results) == {"1", "3"}
+    assert set(results["1"]) == {"target", "lyanna", "pool-off", "lookup", "single", "lyanna-hold2"}
+    assert "single" not in results["3"]
+    assert [results["1"]["lyanna"]["requests"], results["3"]["lyanna"]["requests"]] == [2, 3]  # max(N, B) prompts
+    for rows in results.values():
+        assert rows["target"]["vs_target"] == 1.0
+        for name, s in rows.items():
+            assert s["identical"] == s["requests"], name  # greedy: every method equals the target alone
+            assert s["new_tokens"] == 8 * s["requests"]  # eos_token_id None: every request runs to its budget
+            assert 0 < s["latency_p50"] <= s["latency_p95"] <= s["wall_time"] + 1e-6
+            assert s["tau"] >= 1.0
+    assert summary["decode"]["fusion"] == {"micro_batches": 1, "shallow_first": False}
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--batch-size", "0"], "--batch-size takes comma-separated integers of at least 1"),
+    (["--batch-size", "1,x"], "--batch-size takes"),
+    (["--batch-size", "4"], "batch size 4 needs 4 prompts"),
+    (["--batch-size", "1", "--hold", "1"], "--hold takes comma-separated integers of at least 2"),
+    (["--batch-size", "1", "--methods", "target,pld"], "bad methods ['target', 'pld'] for --batch-size"),
+])
+def test_bad_batched_flags_are_one_line(flags, message, export_dir, prompts_file, capsys):  # noqa: F811
+    assert bench_main(["--draft", str(export_dir), "--prompts", str(prompts_file)] + flags) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0], err
+
+
+def test_the_pool_off_head_shares_the_layers_and_has_no_pool(target, export_dir, tokenizer):  # noqa: F811
+    from lyanna_train.export.loader import load_exported
+
+    draft, _ = load_exported(export_dir, target, tokenizer)
+    bare = without_pool(draft)
+    assert draft.gate is not None and bare.gate is None and bare.cfg.pool_size == 0 and draft.cfg.pool_size == 128
+    assert bare.fc is draft.fc and bare.midlayer is draft.midlayer and bare.lm_head is draft.lm_head
+    assert BatchDraftState(bare, 2).pool is None and BatchDraftState(draft, 2).pool is not None
+    assert without_pool(bare) is bare
+
+
+def test_percentile_is_numpys_linear_rule():
+    import numpy as np
+
+    values = [0.3, 5.0, 1.2, 2.2, 0.9, 7.5, 3.3]
+    for q in (0, 50, 95, 100):
+        assert BB.percentile(values, q) == pytest.approx(float(np.percentile(values, q)))
+    assert BB.percentile([2.0], 95) == 2.0
