@@ -8,6 +8,8 @@ size's data) against training tokens, with the CPU recipe's own budget marked.
 
     python bench/scaling.py --out checkpoints/scaling --samples 4000 \\
         --sizes 125000,250000,500000,1000000,1900000 [--recipe-tokens 715000] [override ...]
+    python bench/scaling.py --run checkpoints/smollm2_135m --sizes 54000,107000,215000
+        # smaller budgets on a finished recipe run's own cache and hot vocabulary; the run is a point
 """
 
 from __future__ import annotations
@@ -30,6 +32,16 @@ def train(out: Path, size: int, common: list[str], extra: list[str]) -> dict:
     final = {k: v for r in rows if "eval/mean_tau_verify" in r for k, v in r.items()}
     seen = max(r.get("tokens_seen", 0) for r in rows)
     return {**final, "size": size, "tokens_seen": seen, "minutes": (time.perf_counter() - start) / 60}
+
+
+def run_point(run: Path) -> dict:
+    """A finished run as a point: its final evaluation and the distinct tokens it trained on."""
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    final = {k: v for r in rows if "eval/mean_tau_verify" in r for k, v in r.items()}
+    manifest = json.loads((run / "features" / "manifest.json").read_text())
+    size = manifest["totals"]["tokens"]
+    return {**final, "size": size, "tokens_seen": max(r.get("tokens_seen", 0) for r in rows), "minutes": float("nan"),
+            "run": str(run)}
 
 
 def plot(results: list[dict], path: Path, recipe_tokens: int | None) -> None:
@@ -67,17 +79,29 @@ def main() -> None:
     p.add_argument("--samples", type=int, default=4000, help="samples in the shared feature cache")
     p.add_argument("--sizes", default="125000,250000,500000,1000000,1900000")
     p.add_argument("--recipe-tokens", type=int, default=None, help="mark the CPU recipe's budget on the plot")
+    p.add_argument("--run", type=Path, help="a finished recipe run: train the sizes on its feature cache, hot "
+                   "vocabulary and held-out samples, and add the run itself as the largest point")
     p.add_argument("overrides", nargs="*", help="extra lyanna-train overrides for every size")
     args = p.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
-    common = [f"data.cache_dir={args.out / 'features'}", f"hotvocab.path={args.out / 'hotvocab'}",
+    features, hotvocab = args.out / "features", args.out / "hotvocab"
+    if args.run:
+        import yaml
+
+        run_cfg = yaml.safe_load((args.run / "config.yaml").read_text())
+        features, hotvocab, args.samples = args.run / "features", args.run / "hotvocab", run_cfg["data"]["max_samples"]
+    common = [f"data.cache_dir={features}", f"hotvocab.path={hotvocab}",
               f"data.max_samples={args.samples}", f"eval.heldout_from={args.samples}", "tracking.wandb.enabled=false",
               "eval.num_prompts=16", "eval.max_new_tokens=64"]
-    if not (args.out / "hotvocab" / "manifest.json").exists():
+    if not args.run and not (hotvocab / "manifest.json").exists():
         subprocess.run([sys.executable, "-m", "lyanna_train.cli.hotvocab", "--corpus", "sharegpt", "--tokenizer",
                         "smollm2", "--ratios", "0.05", "--out", str(args.out / "hotvocab")], check=True)
     saved = args.out / "results.json"
     results = {r["size"]: r for r in (json.loads(saved.read_text()) if saved.exists() else [])}
+    if args.run:
+        point = run_point(args.run)
+        results[point["size"]] = point
+        args.recipe_tokens = args.recipe_tokens or point["size"]
     for size in (int(s) for s in args.sizes.split(",")):
         if size not in results:
             results[size] = train(args.out, size, common, args.overrides)

@@ -28,11 +28,14 @@ def build_parser() -> argparse.ArgumentParser:
     add_model_args(p)
     p.add_argument("--prompts", default="mtbench", help="mtbench, humaneval, tasks (embedded) or a JSONL file")
     p.add_argument("--num-prompts", type=int, default=0, help="N questions spread evenly over the set (default: all)")
+    p.add_argument("--categories", default="", help="only these question categories, comma-separated "
+                   "(e.g. writing,roleplay,humanities for MT-Bench)")
     p.add_argument("--turns", type=int, choices=(1, 2), default=2, help="turns per question (default 2)")
     p.add_argument("--max-new-tokens", type=int, default=128, help="per turn (default 128)")
     p.add_argument("--methods", default=None,
                    help="comma-separated, default target,pld,lyanna; also stock (target.generate with torch's own "
-                   "nn.Linear: an unmodified transformers, the slowest) and lookup (our runtime, prompt lookup only)")
+                   "nn.Linear: an unmodified transformers, the slowest), lookup (our runtime, prompt lookup only) and head "
+                   "(our runtime, the draft tree only: lookup and pool candidates off)")
     p.add_argument("--pld-tokens", type=int, default=10, help="prompt_lookup_num_tokens for pld (default 10)")
     p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=True,
                    help="render prompts with the tokenizer's chat template (default on)")
@@ -137,11 +140,12 @@ def main(argv: list[str]) -> int:
     if args.batch_size is not None:
         return _batched_main(args)
     names = [m.strip() for m in (args.methods or "target,pld,lyanna").split(",") if m.strip()]
-    if "lyanna" in names and args.draft is None:
-        raise LyannaError("the lyanna method needs --draft EXPORT_DIR")
+    if any(n in B.NEEDS_DRAFT for n in names) and args.draft is None:
+        raise LyannaError(f"the {', '.join(n for n in names if n in B.NEEDS_DRAFT)} method(s) need --draft EXPORT_DIR")
     B.check_methods(names)  # before anything loads
     settings = load_decode_settings(args.decode, args.overrides)
-    questions = read_questions(args.prompts, args.num_prompts or None)
+    questions = read_questions(args.prompts, args.num_prompts or None,
+                               tuple(c.strip() for c in args.categories.split(",") if c.strip()))
     out = Path(args.out or f"checkpoints/bench-{Path(args.draft or args.target).name}-{Path(args.prompts).stem}")
     with output_lock(out):  # checks --out can be written now, not after the whole benchmark; one writer
         return _run(args, names, settings, questions, out)
@@ -156,7 +160,7 @@ def _run(args, names: list[str], settings, questions: list, out: Path) -> int:
     from ..evaluation import benchmark as B
     from ..evaluation.prompts import Question
 
-    target, tokenizer, draft, cost = load_and_tune(args, "lyanna" in names)
+    target, tokenizer, draft, cost = load_and_tune(args, any(n in B.NEEDS_DRAFT for n in names))
     methods = B.make_methods(names, target, draft, settings, args.pld_tokens, cost)
 
     warm = Question("warm-up", "", questions[0].turns[:1])

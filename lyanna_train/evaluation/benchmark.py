@@ -34,7 +34,8 @@ from ..runtime.small_linear import stock_linears
 from .acceptance import accept_rates
 from .prompts import Question, render_prompt
 
-METHODS = ("target", "stock", "pld", "lyanna", "lookup")
+METHODS = ("target", "stock", "pld", "lyanna", "head", "lookup")
+NEEDS_DRAFT = ("lyanna", "head")
 NUMERICS_ONLY = ("stock",)  # same model, other GEMM forms: not held to token identity
 
 
@@ -132,7 +133,9 @@ def check_methods(names) -> None:
 def make_methods(names, target, draft, settings: DecodeSettings, pld_tokens: int = 10,
                  cost: VerifyCost | None = None) -> dict[str, Method]:
     """The named methods; ``lookup`` reuses the settings' lookup (or ``pld_tokens`` when it is off);
-    our runtime's methods weigh candidates against ``cost`` (:func:`~lyanna_train.runtime.cpu_tuning.tune`)."""
+    ``head`` is ``lyanna`` with prompt-lookup and pool candidates off: what the trained head
+    alone buys. Our runtime's methods weigh candidates against ``cost``
+    (:func:`~lyanna_train.runtime.cpu_tuning.tune`)."""
     check_methods(names)
     lookup = settings.lookup if settings.lookup.max_tokens else LookupSettings(max_tokens=pld_tokens)
     make = {
@@ -140,6 +143,7 @@ def make_methods(names, target, draft, settings: DecodeSettings, pld_tokens: int
         "stock": lambda: _stock(target, hf_method(target, settings)),
         "pld": lambda: hf_method(target, settings, prompt_lookup_tokens=pld_tokens),
         "lyanna": lambda: runtime_method(target, draft, settings, cost),
+        "head": lambda: runtime_method(target, draft, replace(settings, lookup=LookupSettings()), cost),
         "lookup": lambda: runtime_method(target, None, replace(settings, tree=TreeShape(depth=0, max_nodes=0),
                                                                lookup=lookup), cost),
     }

@@ -32,7 +32,7 @@ def _question(rec, path: Path, lineno: int) -> Question:
     return Question(qid, str(rec.get("category") or path.name.split(".")[0]), tuple(turns))
 
 
-def read_questions(source: str, limit: int | None = None) -> list[Question]:
+def read_questions(source: str, limit: int | None = None, categories: tuple[str, ...] = ()) -> list[Question]:
     """Questions from ``mtbench``/``humaneval`` (embedded), a JSONL(.gz) file, or a .txt file
     (one single-turn prompt per blank-line-separated block). A malformed line stops with file:line."""
     from ..embedded import EMBEDDED_CORPORA
@@ -61,6 +61,11 @@ def read_questions(source: str, limit: int | None = None) -> list[Question]:
                 questions.append(_question(rec, path, lineno))
     if not questions:
         raise LyannaError(f"{path} holds no prompts")
+    if categories:  # e.g. MT-Bench's writing, roleplay and humanities, where prompt lookup finds little
+        known = sorted({q.category for q in questions})
+        if unknown := [c for c in categories if c not in known]:
+            raise LyannaError(f"{path}: no questions in categories {unknown} (categories: {', '.join(known)})")
+        questions = [q for q in questions if q.category in categories]
     if not limit or limit >= len(questions):
         return questions
     # spread over the whole set, not its head: MT-Bench is ordered by category

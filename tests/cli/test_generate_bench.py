@@ -94,6 +94,10 @@ def test_read_questions_accepts_every_prompt_form_and_names_a_bad_line(tmp_path)
     assert len(humaneval) == 3 and humaneval[0].question_id == "HumanEval/0"
     spread = read_questions("mtbench", limit=8)  # every category, not the first eight writing prompts
     assert len({q.category for q in spread}) == 8
+    few = read_questions("mtbench", limit=6, categories=("writing", "roleplay", "humanities"))
+    assert [q.category for q in few] == ["writing"] * 2 + ["roleplay"] * 2 + ["humanities"] * 2
+    with pytest.raises(LyannaError, match=r"no questions in categories \['poetry'\]"):
+        read_questions("mtbench", categories=("poetry",))
     path = tmp_path / "mixed.jsonl"
     path.write_text('{"turns": ["a", "b"]}\n\n{"prompt": "c"}\n{"text": "d", "category": "x"}\n{"instruction": "e"}\n')
     assert [q.turns for q in read_questions(str(path))] == [("a", "b"), ("c",), ("d",), ("e",)]
@@ -183,6 +187,17 @@ def test_bench_cli_writes_results_and_exit_status(tmp_path, export_dir, prompts_
             return r
 
         return run
+
+    seen = []
+
+    def recorded(target, draft, settings, cost=None):
+        seen.append(settings.lookup)
+        return real(target, draft, settings, cost)
+
+    monkeypatch.setattr(B, "runtime_method", recorded)  # head: the same draft, lookup and pool candidates off
+    assert bench_main(argv[:-4] + ["--methods", "lyanna,head", "--turns", "1", "--out", str(tmp_path / "head")]) == 0
+    assert seen[0].max_tokens > 0 and seen[0].pool_tokens > 0 and seen[1].max_tokens == seen[1].pool_tokens == 0
+    assert "lossless: yes" in capsys.readouterr().out
 
     monkeypatch.setattr(B, "runtime_method", corrupted)
     assert bench_main(argv[:-1] + [str(tmp_path / "bad")] + ["--turns", "1", "--methods", "target,lyanna"]) == 1
