@@ -9,12 +9,13 @@ app's lifespan stops the engine thread and the process exits 0.
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 import signal
 import threading
 
 import uvicorn
 
-from ..runtime.decode import DecodeSettings, LookupSettings
+from ..runtime.decode import DecodeSettings
 from ..runtime.draft_tree import TreeShape
 from ..runtime.scheduler import BatchDecoder
 from .app import ServedModel, create_app
@@ -24,8 +25,8 @@ from .metrics import ServingMetrics
 
 def target_only(settings: DecodeSettings) -> DecodeSettings:
     """The same decoding with nothing proposed: one token per target forward (``--no-draft``)."""
-    return DecodeSettings(TreeShape(depth=0, max_nodes=0), LookupSettings(max_tokens=0, pool_tokens=0),
-                          settings.sampling, settings.seed, settings.verify)
+    return replace(settings, tree=TreeShape(depth=0, max_nodes=0),
+                   lookup=replace(settings.lookup, max_tokens=0, pool_tokens=0))
 
 
 def build_app(target, tokenizer, draft, settings: DecodeSettings, name: str, max_batch: int = 16, cost=None,
