@@ -172,7 +172,11 @@ def main() -> int:
     p.add_argument("--max-batch", type=int, default=16)
     p.add_argument("--threads", type=int, help="torch threads per server (default: torch's choice)")
     p.add_argument("--skip-load", action="store_true")
-    args, serve_extra = p.parse_known_args()
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="a decoding setting for both servers (lyanna-serve --set), repeatable")
+    p.add_argument("--stock-linears", action="store_true", help="lyanna-serve --stock-linears for both servers")
+    args = p.parse_args()
+    serve_extra = [a for kv in args.overrides for a in ("--set", kv)] + (["--stock-linears"] if args.stock_linears else [])
 
     from lyanna_train.evaluation.prompts import read_questions
 
