@@ -218,3 +218,14 @@ def test_sigterm_lets_in_flight_requests_finish_refuses_new_ones_and_exits_0(tin
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+@pytest.mark.parametrize("argv, words", [(["--draft", "/nonexistent/export"], "/nonexistent/export"),
+                                         (["--draft", "x", "--max-batch", "0"], "--max-batch"),
+                                         (["--draft", "x", "--port", "70000"], "--port")])
+def test_lyanna_serve_bad_flags_are_one_line_and_exit_2(argv, words, capsys):
+    from lyanna_train.cli.serve import main
+
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("lyanna-serve: error:") and words in err[0]
