@@ -71,12 +71,13 @@ def hold(lock_file: str | os.PathLike, what: str, hint: str) -> Iterator[None]:
         raise LyannaError(f"{what} is in use by {_describe(holder)}; {hint}") from None
     except OSError as err:
         raise LyannaError(f"cannot lock {what}: {lock_file}: {err.strerror or err}") from None
+    tmp = holder.with_name(f"{holder.name}.tmp-{os.getpid()}")
     try:
-        tmp = holder.with_name(f"{holder.name}.tmp-{os.getpid()}")
         tmp.write_text(json.dumps(_holder_record()), encoding="utf-8")
         os.replace(tmp, holder)
-    except OSError:
-        pass  # a full disk must not stop the holder; others then see an unnamed holder
+    except OSError:  # a full disk must not stop the holder; others then see an unnamed holder
+        with contextlib.suppress(OSError):
+            tmp.unlink()  # (created before the write failed: nothing may be left beside the output)
     _HELD.add(key)
     try:
         yield

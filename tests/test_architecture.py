@@ -20,7 +20,7 @@ BASE = {"errors", "atomic", "locks", "embedded", "configs", "__init__"}  # leaf 
 ALLOWED: dict[str, set[str]] = {
     "errors": set(),
     "atomic": {"errors"},
-    "locks": {"errors"},
+    "locks": {"errors", "atomic"},  # output_lock checks writability before taking the lock
     "embedded": {"errors"},
     "configs": set(),
     "__init__": set(),

@@ -140,7 +140,19 @@ def read_head(src: Path, layout: str = "auto"):
 def import_head(src: str | Path, out_dir: str | Path, target_name: str, *, target=None, tokenizer=None,
                 layout: str = "auto", dtype: str | None = None, overwrite: bool = False,
                 say: Callable = print) -> Path:
-    """Write ``out_dir`` (lyanna format) from an EAGLE-3 head directory; returns ``out_dir``."""
+    """Write ``out_dir`` (lyanna format) from an EAGLE-3 head directory; returns ``out_dir``.
+
+    ``out_dir`` has one writer at a time, as for every export (a second one stops at once, naming the first).
+    """
+    from ..locks import output_lock
+
+    with output_lock(out_dir):
+        return _import_head(src, out_dir, target_name, target=target, tokenizer=tokenizer, layout=layout,
+                            dtype=dtype, overwrite=overwrite, say=say)
+
+
+def _import_head(src: str | Path, out_dir: str | Path, target_name: str, *, target, tokenizer, layout: str,
+                 dtype: str | None, overwrite: bool, say: Callable) -> Path:
     import dataclasses
 
     from ..atomic import check_output_dir

@@ -129,7 +129,14 @@ def finalize(partial: Path, root: Path, step: int, keep_last: int) -> Path:
         shutil.rmtree(final)
     os.replace(partial, final)
     for old in complete_checkpoints(root)[:-keep_last] if keep_last > 0 else []:
-        shutil.rmtree(old, ignore_errors=True)
+        # renamed out of the step-* names first: a kill mid-delete must not leave a half-deleted
+        # folder that looks complete (the next claim removes .partial-* leftovers)
+        doomed = root / f".partial-pruned-{old.name}"
+        try:
+            os.replace(old, doomed)
+        except OSError:
+            doomed = old
+        shutil.rmtree(doomed, ignore_errors=True)
     for stale in root.glob(".partial-*"):
         shutil.rmtree(stale, ignore_errors=True)
     return final

@@ -53,3 +53,29 @@ def test_hotvocab_on_a_full_disk_is_one_line_and_leaves_nothing(small_disk, tmp_
     line = _one_error_line(capsys.readouterr().err, "lyanna-hotvocab")
     assert code == 2 and f"cannot write {out}: No space left on device" in line
     assert list(disk.iterdir()) == []  # no partial directory, no lock file
+
+
+def test_an_output_left_half_written_by_a_killed_run_is_cleaned_by_the_next(tmp_path, capsys):
+    """kill -9 mid-write leaves the hidden ``.<out>.partial-<pid>`` sibling an output is built in;
+    the next writer there removes those of dead processes and leaves a live writer's alone."""
+    import os
+    import subprocess
+    import sys
+
+    from lyanna_train.cli.hotvocab import main
+
+    corpus = write_jsonl(tmp_path / "c.jsonl", GOOD)
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    for left in (f".hot.partial-{dead.pid}", f".other.partial-{dead.pid}"):
+        (disk / left).mkdir()
+        (disk / left / "counts.safetensors").write_bytes(b"half")
+    (disk / f".hot.old-{dead.pid}").write_bytes(b"half")
+    live = disk / f".busy.partial-{os.getpid()}"  # a process that is still running owns this one
+    live.mkdir()
+    out = disk / "hot"
+    assert main(["--corpus", str(corpus), "--tokenizer", "smollm2", "--sizes", "8", "--out", str(out),
+                 "--no-progress"]) == 0
+    assert sorted(p.name for p in disk.iterdir()) == [live.name, "hot"]

@@ -195,7 +195,7 @@ def test_bench_cli_writes_results_and_exit_status(tmp_path, export_dir, prompts_
         return real(target, draft, settings, cost)
 
     monkeypatch.setattr(B, "runtime_method", recorded)  # head: the same draft, lookup and pool candidates off
-    assert bench_main(argv[:-4] + ["--methods", "lyanna,head", "--turns", "1", "--out", str(tmp_path / "head")]) == 0
+    assert bench_main(argv[:-4] + ["--methods", "target,lyanna,head", "--turns", "1", "--out", str(tmp_path / "head")]) == 0
     assert seen[0].max_tokens > 0 and seen[0].pool_tokens > 0 and seen[1].max_tokens == seen[1].pool_tokens == 0
     assert "lossless: yes" in capsys.readouterr().out
 

@@ -51,7 +51,7 @@ def test_two_hotvocab_runs_on_one_out(tmp_path, capsys):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["c.jsonl", "hot"]  # no lock file left
 
 
-def test_two_exports_or_benches_on_one_out(tmp_path, capsys):
+def test_two_exports_imports_or_benches_on_one_out(tmp_path, capsys):
     from lyanna_train.cli.bench import main as bench
     from lyanna_train.cli.export import main as export
 
@@ -59,6 +59,8 @@ def test_two_exports_or_benches_on_one_out(tmp_path, capsys):
     (tmp_path / "run").mkdir()
     with another_writer(out) as first:
         _refused(capsys, export([str(tmp_path / "run"), "--out", str(out)]), "lyanna-export", out, first.pid)
+        _refused(capsys, export(["import", str(tmp_path / "run"), "--target", "smollm2", "--out", str(out)]),
+                 "lyanna-export", out, first.pid)
         _refused(capsys, bench(["--target", "smollm2", "--methods", "target", "--out", str(out)]), "lyanna-bench",
                  out, first.pid)
 

@@ -152,3 +152,40 @@ def test_export_onto_a_read_only_place_is_one_line(read_only_dir, tmp_path, targ
     assert cli_main([str(run), "--out", str(out)]) == 2
     err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
     assert len(err) == 1 and err[0].startswith(f"lyanna-export: error: cannot write output {out}: "), err
+
+
+def _fill(disk) -> None:
+    """Fill ``disk`` to the last byte (a real full disk: later writes raise ENOSPC)."""
+    import errno
+
+    with open(disk / "filler", "wb") as fh:
+        try:
+            while True:
+                fh.write(b"\0" * 65536)
+                fh.flush()
+        except OSError as err:
+            assert err.errno == errno.ENOSPC
+
+
+def test_export_onto_a_full_disk_is_one_line_and_leaves_nothing(small_disk, tmp_path, target, tok_fp, capsys,
+                                                                monkeypatch):
+    import errno
+
+    run = make_run(tmp_path / "run", make_draft(target, pool=False), target, tok_fp)
+    disk = small_disk
+    if disk is None:  # no tmpfs here: the first weight file fails as on a full disk
+        import safetensors.torch
+
+        def full(*args, **kwargs):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        monkeypatch.setattr(safetensors.torch, "save_file", full)
+        disk = tmp_path / "disk"
+        disk.mkdir()
+    else:
+        _fill(disk)
+    out = disk / "export"
+    assert cli_main([str(run), "--out", str(out)]) == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert len(err) == 1 and err[0].startswith(f"lyanna-export: error: cannot write {out}: No space left on device"), err
+    assert sorted(p.name for p in disk.iterdir()) == ([] if small_disk is None else ["filler"])  # no partial, no lock

@@ -43,6 +43,32 @@ def test_a_planted_pickle_in_a_checkpoint_is_refused_and_never_runs(tmp_path, ti
     assert message.startswith(f"refusing to load {planted.parent}: ") and "(the global exec)" in message
 
 
+@pytest.mark.slow  # three train runs
+def test_a_zero_checkpoint_resumes_weights_only_and_a_pickle_in_its_optimizer_file_never_runs(
+        tmp_path, tiny_target_dir, tiny_corpus):
+    """ZeRO (the GPU recipes' stage 2; stage 1 here, on CPU) keeps the optimizer in a file of its
+    own, holding a few DeepSpeed records beside tensors: it must resume under weights_only, and
+    that file is as guarded as the model's."""
+    out, marker = tmp_path / "run", tmp_path / "marker"
+    zero = ("deepspeed.zero_stage=1", "train.save_every=1", "train.keep_last=5")
+    train(compose(tiny_overrides(tiny_target_dir, tiny_corpus, out, *TINY, *zero, "train.max_steps=1")))
+    result = train(compose(tiny_overrides(tiny_target_dir, tiny_corpus, out, *TINY, *zero, "train.max_steps=2",
+                                          "train.resume=force")))
+    assert result["step"] == 2  # resumed from step 1 with every file loaded weights_only
+    (planted,) = (out / "checkpoints" / "step-00000002").glob("*optim_states.pt")
+    from lyanna_train.training.engine import _deepspeed_records
+
+    with torch.serialization.safe_globals(_deepspeed_records()):
+        state = torch.load(planted, weights_only=True)
+    state["lyanna_planted"] = _Payload(marker)
+    torch.save(state, planted)
+    with pytest.raises(LyannaError) as err:
+        train(compose(tiny_overrides(tiny_target_dir, tiny_corpus, out, *TINY, *zero, "train.max_steps=3",
+                                     "train.resume=force")))
+    assert not marker.exists()
+    assert str(err.value).startswith(f"refusing to load {planted.parent}: ") and "(the global exec)" in str(err.value)
+
+
 def _evil_copy(src, dst, marker, model_type: str):
     """A model folder whose config and tokenizer point at Python files of its own (auto_map)."""
     shutil.copytree(src, dst)
