@@ -214,7 +214,8 @@ def _batched_main(args) -> int:
     if holds and args.draft is None:
         raise LyannaError("--hold measures the lyanna method: it needs --draft EXPORT_DIR")
     settings = load_decode_settings(args.decode, args.overrides)
-    questions = read_questions(args.prompts, max(args.num_prompts, max(sizes)) if args.num_prompts else None)
+    questions = read_questions(args.prompts, max(args.num_prompts, max(sizes)) if args.num_prompts else None,
+                               tuple(c.strip() for c in args.categories.split(",") if c.strip()))
     if len(questions) < max(sizes):
         raise LyannaError(f"batch size {max(sizes)} needs {max(sizes)} prompts; {args.prompts} gives {len(questions)}")
     out = Path(args.out or f"checkpoints/bench-batched-{Path(args.draft or args.target).name}-{Path(args.prompts).stem}")

@@ -16,7 +16,8 @@ size to the next), so machine noise hits every method alike and the ratios hold:
   (:class:`~lyanna_train.runtime.scheduler.FusionSettings`).
 
 A request's latency runs from the workload's start to its last token (waiting for a slot
-included). Greedy outputs are checked token for token against the target decoding each
+included). Beside wall time, each run's CPU time (this process, all threads) is kept: on
+a shared machine tokens per CPU-second move less than tokens per second. Greedy outputs are checked token for token against the target decoding each
 prompt alone.
 """
 
@@ -53,6 +54,7 @@ class BatchRun:
     target_forwards: int = 0  # summed over requests (a fused forward counts once per row in it)
     accept_lengths: list[int] = field(default_factory=list)
     tree_sizes: list[int] = field(default_factory=list)
+    cpu_time: float = 0.0  # this process's CPU seconds (all threads): steadier than wall time on a shared machine
 
 
 BatchMethod = Callable[[list[list[int]], int, int], BatchRun]  # (prompts, max_new_tokens, batch size) -> run
@@ -79,7 +81,7 @@ def hf_batched(target, settings: DecodeSettings) -> BatchMethod:
     def run(prompts: list[list[int]], max_new_tokens: int, batch: int) -> BatchRun:
         tokens, latencies = [], []
         torch.manual_seed(settings.seed)
-        begin = time.perf_counter()
+        begin, cpu = time.perf_counter(), time.process_time()
         for start in range(0, len(prompts), batch):
             chunk = prompts[start:start + batch]
             width = max(len(p) for p in chunk)
@@ -96,7 +98,7 @@ def hf_batched(target, settings: DecodeSettings) -> BatchMethod:
                 tokens.append(new)
                 latencies.append(clock.times[min(len(new), len(clock.times) - 1)] - begin)
         wall = time.perf_counter() - begin
-        return BatchRun(tokens, latencies, wall, sum(len(t) for t in tokens))
+        return BatchRun(tokens, latencies, wall, sum(len(t) for t in tokens), cpu_time=time.process_time() - cpu)
 
     return run
 
@@ -106,17 +108,17 @@ def decoder_method(target, draft, settings: DecodeSettings, cost: VerifyCost | N
 
     def run(prompts: list[list[int]], max_new_tokens: int, batch: int) -> BatchRun:
         decoder = BatchDecoder(target, draft, settings, batch, cost)
-        begin = time.perf_counter()
+        begin, cpu = time.perf_counter(), time.process_time()
         requests = [decoder.submit(p, max_new_tokens) for p in prompts]
         for _ in decoder.run():
             pass
-        wall = time.perf_counter() - begin
+        wall, cpu = time.perf_counter() - begin, time.process_time() - cpu
         failed = next((r for r in requests if r.status is Status.FAILED), None)
         if failed is not None:
             raise LyannaError(f"prompt {failed.id} was refused: {failed.error}")
         return BatchRun([r.tokens for r in requests], [r.finished_at - begin for r in requests], wall,
                         sum(r.target_forwards for r in requests), [t for r in requests for t in r.accept_lengths],
-                        [s for r in requests for s in r.tree_sizes])
+                        [s for r in requests for s in r.tree_sizes], cpu)
 
     return run
 
@@ -126,7 +128,7 @@ def single_method(target, draft, settings: DecodeSettings, cost: VerifyCost | No
 
     def run(prompts: list[list[int]], max_new_tokens: int, batch: int) -> BatchRun:
         out = BatchRun([], [], 0.0)
-        begin = time.perf_counter()
+        begin, cpu = time.perf_counter(), time.process_time()
         for p in prompts:
             result = decode.generate(target, draft, p, max_new_tokens, settings, cost=cost)
             out.tokens.append(result.tokens)
@@ -134,7 +136,7 @@ def single_method(target, draft, settings: DecodeSettings, cost: VerifyCost | No
             out.target_forwards += result.target_forwards
             out.accept_lengths += result.accept_lengths
             out.tree_sizes += result.tree_sizes
-        out.wall_time = time.perf_counter() - begin
+        out.wall_time, out.cpu_time = time.perf_counter() - begin, time.process_time() - cpu
         return out
 
     return run
@@ -180,7 +182,8 @@ def percentile(values: list[float], q: float) -> float:
 def summarize_run(run: BatchRun, reference: list[list[int]] | None) -> dict:
     tokens = sum(len(t) for t in run.tokens)
     out = {"requests": len(run.tokens), "new_tokens": tokens, "wall_time": run.wall_time,
-           "tokens_per_s": tokens / run.wall_time if run.wall_time else 0.0,
+           "tokens_per_s": tokens / run.wall_time if run.wall_time else 0.0, "cpu_time": run.cpu_time,
+           "tokens_per_cpu_s": tokens / run.cpu_time if run.cpu_time else 0.0,
            "latency_mean": statistics.fmean(run.latencies), "latency_p50": percentile(run.latencies, 50),
            "latency_p95": percentile(run.latencies, 95), "tau": tokens / max(run.target_forwards, 1),
            "mean_tree_size": statistics.fmean(run.tree_sizes) if run.tree_sizes else 1.0}
@@ -215,9 +218,11 @@ def measure(methods: dict[str, BatchMethod], prompts: list[list[int]], batch_siz
                     refs[i] = reference(p)
             want = [refs[i] for i in range(len(work))]
         results[batch] = {name: summarize_run(runs[name], want) for name in names}
-        base = results[batch].get("target", {}).get("tokens_per_s")
+        base = results[batch].get("target", {})
         for s in results[batch].values():
-            s["vs_target"] = s["tokens_per_s"] / base if base else None
+            s["vs_target"] = s["tokens_per_s"] / base["tokens_per_s"] if base.get("tokens_per_s") else None
+            s["vs_target_cpu"] = s["tokens_per_cpu_s"] / base["tokens_per_cpu_s"] if base.get("tokens_per_cpu_s") \
+                else None
     return results
 
 
@@ -229,11 +234,12 @@ def ratio_lines(results: dict[int, dict[str, dict]]) -> list[str]:
     for batch, rows in results.items():
         parts = []
         for a, b, targets in pairs:
-            if a in rows and b in rows and rows[b]["tokens_per_s"]:
+            if a in rows and b in rows and rows[b]["tokens_per_s"] and rows[b]["tokens_per_cpu_s"]:
                 r = rows[a]["tokens_per_s"] / rows[b]["tokens_per_s"]
+                c = rows[a]["tokens_per_cpu_s"] / rows[b]["tokens_per_cpu_s"]
                 goal = f" (target ≥ {targets[batch]:.2f}: {'met' if r >= targets[batch] else 'MISSED'})" \
                     if batch in targets else ""
-                parts.append(f"{a}/{b} {r:.2f}×{goal}")
+                parts.append(f"{a}/{b} {r:.2f}× (CPU time {c:.2f}×){goal}")
         for name, s in rows.items():
             if name.startswith("lyanna-hold") and rows.get("lyanna", {}).get("tokens_per_s"):
                 parts.append(f"{name}/lyanna {s['tokens_per_s'] / rows['lyanna']['tokens_per_s']:.2f}×")
@@ -257,15 +263,17 @@ def lossless_lines(results: dict[int, dict[str, dict]]) -> tuple[list[str], bool
 
 
 def markdown_table(results: dict[int, dict[str, dict]]) -> str:
-    head = ["batch", "method", "requests", "new tokens", "tok/s", "vs target", "latency mean (s)", "p50", "p95",
-            "τ", "tree size", "identical"]
+    head = ["batch", "method", "requests", "new tokens", "tok/s", "vs target", "tok/CPU-s", "vs target (CPU)",
+            "latency mean (s)", "p50", "p95", "τ", "tree size", "identical"]
     rows = ["| " + " | ".join(head) + " |", "|---:|---|" + "---:|" * (len(head) - 2)]
     for batch, methods in results.items():
         for name, s in methods.items():
             vs = f"{s['vs_target']:.2f}×" if s.get("vs_target") else "–"
+            vs_cpu = f"{s['vs_target_cpu']:.2f}×" if s.get("vs_target_cpu") else "–"
             same = f"{s['identical']}/{s['requests']}" if "identical" in s else "–"
             rows.append("| " + " | ".join([str(batch), name, str(s["requests"]), str(s["new_tokens"]),
-                                           f"{s['tokens_per_s']:.1f}", vs, f"{s['latency_mean']:.2f}",
+                                           f"{s['tokens_per_s']:.1f}", vs, f"{s['tokens_per_cpu_s']:.1f}", vs_cpu,
+                                           f"{s['latency_mean']:.2f}",
                                            f"{s['latency_p50']:.2f}", f"{s['latency_p95']:.2f}", f"{s['tau']:.2f}",
                                            f"{s['mean_tree_size']:.1f}", same]) + " |")
     return "\n".join(rows)

@@ -9,9 +9,8 @@ next token, and rolls both caches to that path. Greedy output is token for token
 many positions in one forward instead of one by one); sampled output has exactly the
 target's distribution.
 
-Batch size 1: rows accept different numbers of tokens, so batched decoding needs ragged
-caches (per-row lengths, position ids and masks for the target, per-row anchors for the
-draft), which transformers' ``DynamicCache`` does not keep.
+One sequence, on transformers' ``DynamicCache``; many at once (rows accepting different
+numbers of tokens, so ragged caches) are :mod:`.scheduler`'s.
 
 Positions: tokens x_0..x_{n-1} are accepted (prompt included). The target cache holds
 0..n-2; the draft cache holds anchors 0..n-2 and drafting starts at anchor n-2.

@@ -31,7 +31,7 @@ def test_batched_bench_measures_every_method_at_every_size(tmp_path, export_dir,
             "--threads", "1", "--batch-size", "1,3", "--hold", "2", "--out", str(out)]
     assert bench_main(argv) == 0
     printed = capsys.readouterr().out
-    assert "| batch | method | requests | new tokens | tok/s | vs target | latency mean (s) | p50 | p95 |" in printed
+    assert "| batch | method | requests | new tokens | tok/s | vs target | tok/CPU-s | vs target (CPU) | latency" in printed
     assert "batch 1: lyanna/target" in printed and "lyanna/single" in printed and "lossless: yes" in printed
     assert {p.name for p in out.iterdir()} == {"summary.json", "summary.md", "batched.png"}
     summary = json.loads((out / "summary.json").read_text())
@@ -46,7 +46,7 @@ def test_batched_bench_measures_every_method_at_every_size(tmp_path, export_dir,
             assert s["identical"] == s["requests"], name  # greedy: every method equals the target alone
             assert s["new_tokens"] == 8 * s["requests"]  # eos_token_id None: every request runs to its budget
             assert 0 < s["latency_p50"] <= s["latency_p95"] <= s["wall_time"] + 1e-6
-            assert s["tau"] >= 1.0
+            assert s["tau"] >= 1.0 and s["cpu_time"] > 0
     assert summary["decode"]["fusion"] == {"micro_batches": 1, "shallow_first": False}
 
 
