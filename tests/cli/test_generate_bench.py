@@ -17,7 +17,7 @@ from lyanna_train.errors import LyannaError
 from lyanna_train.evaluation import benchmark as B
 from lyanna_train.evaluation.prompts import Question, read_questions, render_prompt
 from lyanna_train.runtime.decode import DecodeSettings, GenerationResult
-from ..tiny_models import byte_level_tokenizer, export_random_draft, tiny_llama
+from ..tiny_models import H, byte_level_tokenizer, export_random_draft, tiny_llama  # noqa: F401 (H: test_batched_bench)
 
 QUESTIONS = [{"question_id": 1, "category": "writing", "turns": ["Write about tea.", "Now shorter."]},
              {"question_id": 2, "category": "coding", "turns": ["def fib(n):", "Add a docstring."]}]
