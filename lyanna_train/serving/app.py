@@ -198,9 +198,9 @@ async def _sse(engine: Engine, job: Job, envelope: Envelope, pieces, text: StopT
         async for piece, reason in pieces:
             if piece:
                 yield event(envelope.chunk(piece))
-            if reason is not None:
-                yield event(envelope.chunk(None, reason, usage(len(job.prompt), len(text.ids))))
+            if reason is not None:  # counted first: a client may hang up as soon as it has the last chunk
                 _record(engine, job, reason)
+                yield event(envelope.chunk(None, reason, usage(len(job.prompt), len(text.ids))))
     except ServingError as err:
         _record(engine, job, "error")
         yield event(error_body(err.message, err.kind, err.param, err.code))
