@@ -47,6 +47,7 @@ def _timer(model, forward, context: int, sizes, repeats: int):
 
     from lyanna_train.runtime.target_step import _cache_kwarg
 
+    torch.manual_seed(0)  # every variant: the same prefill and the same timed tokens (the logits check compares them)
     vocab = model.config.vocab_size
     capacity = context + max(*sizes, 4)  # 4: the logits check
     cache = StaticCache(config=model.config, max_cache_len=capacity)
@@ -76,7 +77,7 @@ def _timer(model, forward, context: int, sizes, repeats: int):
     return time_n
 
 
-def build_variants(names, target, context: int, repeats: int, sizes) -> dict:
+def build_variants(names, target, context: int, repeats: int, sizes, retune: bool = False) -> dict:
     import torch._dynamo
     import torch._inductor.config as inductor
 
@@ -92,7 +93,7 @@ def build_variants(names, target, context: int, repeats: int, sizes) -> dict:
         if name == "stock":
             forward = model.forward
         elif name == "forms":
-            tune(model, cache=False)
+            tune(model, retune=retune)  # as the CLIs do: the on-disk tuning when this machine has one
             forward = model.forward
         elif name in ("compiled", "compiled_dynamic"):
             forward = torch.compile(model.forward, dynamic=name == "compiled_dynamic")
@@ -104,7 +105,6 @@ def build_variants(names, target, context: int, repeats: int, sizes) -> dict:
         print(f"{name}: set up and warmed in {time.perf_counter() - start:.0f} s", flush=True)
         out[name] = timer
     # every variant computes the same logits (a fast wrong graph would be no result)
-    torch.manual_seed(0)
     reference = out[names[0]].logits(4)
     for name in names[1:]:
         diff = (out[name].logits(4) - reference).abs().max().item()
@@ -122,6 +122,8 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--threads", type=int, help="torch threads (default: torch's choice); a busy machine is "
                    "measured more steadily on 1")
+    p.add_argument("--retune", action="store_true", help="measure the forms' CPU tuning again (as lyanna-generate "
+                   "--retune) instead of reading it from the on-disk cache")
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -131,7 +133,7 @@ def main() -> None:
     sizes = [int(s) for s in args.sizes.split(",")]
     names = [v.strip() for v in args.variants.split(",")]
     target = load_target_model(args.target)
-    timers = build_variants(names, target, args.context, args.repeats, sizes)
+    timers = build_variants(names, target, args.context, args.repeats, sizes, args.retune)
     times = {(name, n): [] for name in names for n in sizes}
     for r in range(args.rounds):
         order = names[r % len(names):] + names[:r % len(names)]

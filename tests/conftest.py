@@ -155,20 +155,55 @@ def read_only_dir(tmp_path):
     yield path
 
 
+def fit_draft(target, draft, sequences, steps: int, lr: float = 2e-3, threads: int | None = None):
+    """Distil ``draft`` (in place, -> it in eval mode) on the target's own features over
+    ``sequences`` (token-id lists: prompts with the target's greedy continuations), with
+    the trainer's loss and 3 unroll steps, one sequence per step in turn. Memorising the
+    continuations is the point: a lossless test then verifies draft nodes the target
+    accepts, not only the target's own token. ``threads``: torch threads meanwhile (1 for
+    tiny models, see ``one_thread``)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads or before)
+    try:
+        return _fit(target, draft, sequences, steps, lr)
+    finally:
+        torch.set_num_threads(before)
+
+
+def _fit(target, draft, sequences, steps: int, lr: float):
+    from lyanna_train.data.features import FeatureExtractor
+    from lyanna_train.training.config import LossConf
+    from lyanna_train.training.step import distill_loss
+
+    extractor = FeatureExtractor(target, draft.cfg.aux_layer_ids)
+    batches = []
+    for full in sequences:
+        ids = torch.tensor([full])
+        feats = extractor(ids)
+        ones = torch.ones_like(ids, dtype=torch.bool)
+        batches.append({"aux": feats.aux.clone(), "last": feats.last.clone(), "input_ids": ids,
+                        "loss_mask": ones, "valid": ones})
+    optimizer = torch.optim.AdamW([p for p in draft.parameters() if p.requires_grad], lr=lr)
+    lm_weight = target.get_output_embeddings().weight.detach()
+    draft.train()
+    for step in range(steps):
+        loss, _ = distill_loss(draft, batches[step % len(batches)], lm_weight, LossConf(ttt_steps=3))
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    return draft.eval()
+
+
 @pytest.fixture(scope="session")
 def smollm2_fitted(smollm2_tokenizer):
     """The embedded SmolLM2 (fp32, torch's own linears), two prompts with its greedy
-    continuations, and a draft head distilled (a few seconds, with the trainer's own loss)
-    on those continuations, so that its candidates ARE accepted: a lossless test through
-    it verifies real draft nodes, not only the target's own token."""
+    continuations, and a draft head distilled (a few seconds, :func:`fit_draft`) on those
+    continuations, so that its candidates ARE accepted."""
     from types import SimpleNamespace
 
-    from lyanna_train.data.features import FeatureExtractor
     from lyanna_train.models.config import DraftConfig
     from lyanna_train.models.draft_head import DraftHead
     from lyanna_train.target.model import load_target_model
-    from lyanna_train.training.config import LossConf
-    from lyanna_train.training.step import distill_loss
 
     target = load_target_model("smollm2")
     prompts = [smollm2_tokenizer(text)["input_ids"] for text in ("The capital of France is", "def fibonacci(n):")]
@@ -181,20 +216,5 @@ def smollm2_fitted(smollm2_tokenizer):
     hot = torch.tensor(seen + rest[:2048 - len(seen)])
     cfg = DraftConfig.from_target(target.config, draft_vocab_size=2048, pool_size=128, pool_threshold=0.0,
                                   aux_layer_ids=(1, 14, 26))
-    draft = DraftHead(cfg, hot, target.get_input_embeddings().weight)
-    extractor = FeatureExtractor(target, cfg.aux_layer_ids)
-    batches = []
-    for full in fulls:
-        ids = torch.tensor([full])
-        feats = extractor(ids)
-        batches.append({"aux": feats.aux.clone(), "last": feats.last.clone(), "input_ids": ids,
-                        "loss_mask": torch.ones_like(ids, dtype=torch.bool),
-                        "valid": torch.ones_like(ids, dtype=torch.bool)})
-    optimizer = torch.optim.AdamW([p for p in draft.parameters() if p.requires_grad], lr=2e-3)
-    lm_weight = target.get_output_embeddings().weight.detach()
-    for step in range(150):
-        loss, _ = distill_loss(draft, batches[step % 2], lm_weight, LossConf(ttt_steps=3))
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-    return SimpleNamespace(target=target, draft=draft.eval(), prompts=prompts, refs=refs)
+    draft = fit_draft(target, DraftHead(cfg, hot, target.get_input_embeddings().weight), fulls, steps=150)
+    return SimpleNamespace(target=target, draft=draft, prompts=prompts, refs=refs)

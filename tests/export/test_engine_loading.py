@@ -13,14 +13,9 @@ from safetensors.torch import load_file, save_file
 from lyanna_train.export import formats as F
 
 from . import engine_rules as E
-from .test_export import H, LAYER_IDS, _target, export, make_draft
+from .test_export import H, LAYER_IDS, export, make_draft
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-@pytest.fixture(scope="module")
-def target():
-    return _target(0)
 
 
 @pytest.fixture(scope="module")

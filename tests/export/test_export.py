@@ -16,7 +16,6 @@ from lyanna_train.export.writer import export_checkpoint
 from lyanna_train.hotvocab.artifact import load_hot_vocab
 from lyanna_train.models.config import DraftConfig
 from lyanna_train.models.draft_head import DraftHead
-from lyanna_train.target.fingerprint import tokenizer_fingerprint
 from lyanna_train.target.model import target_fingerprint
 from lyanna_train.training.checkpoint import write_draft_weights, write_run_record
 
@@ -39,16 +38,6 @@ def _target(seed: int):
     config = LlamaConfig(vocab_size=V, hidden_size=H, intermediate_size=128, num_hidden_layers=4,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
     return LlamaForCausalLM(config).eval().requires_grad_(False)
-
-
-@pytest.fixture(scope="module")
-def target():
-    return _target(0)
-
-
-@pytest.fixture(scope="module")
-def tok_fp(smollm2_tokenizer):
-    return tokenizer_fingerprint(smollm2_tokenizer)
 
 
 def make_draft(target, pool: bool, other_bucket: bool = False, seed: int = 0, **overrides) -> DraftHead:

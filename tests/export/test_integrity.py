@@ -23,18 +23,6 @@ from .test_export import _rehash, _target, export, make_draft, make_run
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-@pytest.fixture(scope="module")
-def target():
-    return _target(0)
-
-
-@pytest.fixture(scope="module")
-def tok_fp(smollm2_tokenizer):
-    from lyanna_train.target.fingerprint import tokenizer_fingerprint
-
-    return tokenizer_fingerprint(smollm2_tokenizer)
-
-
 def _tensor_span(path, name) -> tuple[int, int]:
     """Byte offsets of one tensor's data inside a safetensors file."""
     header_len = int.from_bytes(path.read_bytes()[:8], "little")

@@ -79,3 +79,41 @@ def oracle_tree(full: list[int], good=None, decoys: int = 0):
 
     draft_tree.calls = calls
     return draft_tree
+
+
+# The prompts the runtime tests decode; the fitted drafts memorise the target's greedy
+# continuations of exactly these.
+FIT_PROMPTS = ([1, 17, 200, 5, 99, 42, 7, 130, 64], [1], [1, 250, 3, 3, 3, 3, 8, 160, 77, 21, 90, 45, 12, 199, 31, 2],
+               [1, 17, 200, 5, 99])
+FIT_TOKENS = 72  # continuation length learned: the longest decode in these tests, plus a draft chain
+FIT_STEPS = 400  # ~6 s for both drafts; a chain of 1 then keeps ~28 of 60 draft tokens, a chain of 5 ~45
+
+
+@pytest.fixture(scope="session")
+def tiny_fitted(tiny_target):
+    """{pool: draft} for pool on and off: drafts distilled (a few seconds each, with the
+    trainer's loss, :func:`tests.conftest.fit_draft`) on ``tiny_target``'s own greedy
+    continuations of ``FIT_PROMPTS``, so that their candidates ARE accepted there. A
+    random draft's tokens (p ~ 1/V) are almost never accepted: a lossless test through one
+    checks plain decoding, not the verification and roll-back of draft nodes."""
+    from ..conftest import fit_draft
+
+    with torch.inference_mode():
+        fulls = [list(p) + greedy_reference(tiny_target, list(p), FIT_TOKENS) for p in FIT_PROMPTS]
+    seen = sorted({t for full in fulls for t in full})
+    drafts = {}
+    for pool in (True, False):
+        torch.manual_seed(0)
+        rest = [t for t in torch.randperm(V).tolist() if t not in set(seen)]
+        hot = torch.tensor(seen + rest[:max(0, 128 - len(seen))])
+        cfg = DraftConfig(target_hidden_size=H, vocab_size=V, draft_vocab_size=len(hot), hidden_size=H,
+                          intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                          pool_size=128 if pool else 0, pool_threshold=0.0, aux_layer_ids=LAYER_IDS)
+        draft = DraftHead(cfg, hot, tiny_target.model.embed_tokens.weight)
+        drafts[pool] = fit_draft(tiny_target, draft, fulls, steps=FIT_STEPS, lr=1e-2, threads=1)
+    return drafts
+
+
+def drafted_tokens(out) -> int:
+    """Candidates the target accepted (each verify's τ counts its own bonus token once)."""
+    return sum(n - 1 for n in out.accept_lengths)

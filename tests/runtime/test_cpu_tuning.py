@@ -17,7 +17,7 @@ from lyanna_train.runtime.decode import DecodeSettings, LookupSettings
 from lyanna_train.runtime.draft_tree import TreeShape
 from lyanna_train.runtime.small_linear import MAX_ROWS, small_batch_forms
 
-from .conftest import LAYER_IDS, greedy_reference, make_draft
+from .conftest import LAYER_IDS, drafted_tokens, greedy_reference, make_draft
 
 
 @pytest.fixture
@@ -105,9 +105,9 @@ def test_retune_and_a_broken_cache_file_measure_again(tiny_target, cache_home, m
     assert calls and json.loads(path.read_text())["key"]["format"] == cpu_tuning.FORMAT  # rewritten whole
 
 
-def test_decoding_times_nothing_and_weighs_the_given_cost(tiny_target, monkeypatch):
+def test_decoding_times_nothing_and_weighs_the_given_cost(tiny_target, tiny_fitted, monkeypatch):
     """generate() takes its cost model as an argument: no hidden timing inside decoding."""
-    target, draft = copy.deepcopy(tiny_target), make_draft(tiny_target, pool=True)
+    target, draft = copy.deepcopy(tiny_target), tiny_fitted[True]
     expected = greedy_reference(target, [1, 17, 200, 5, 99], 20)
     monkeypatch.setattr(cpu_tuning, "target_timer", _no_timing)
     settings = DecodeSettings(TreeShape(2, 2, 2, 4), LookupSettings(4))  # verify: auto
@@ -117,3 +117,4 @@ def test_decoding_times_nothing_and_weighs_the_given_cost(tiny_target, monkeypat
                             cost=steep)
     assert flat.tokens == plain.tokens == expected
     assert max(flat.tree_sizes) > 1 and set(plain.tree_sizes) == {1}
+    assert drafted_tokens(flat) >= 5 and drafted_tokens(plain) == 0  # the flat cost verifies, and keeps, draft nodes

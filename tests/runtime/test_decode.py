@@ -1,6 +1,7 @@
 """Speculative decoding on a tiny random Llama: lossless against target.generate for
-chains, trees and prompt lookup, roll-back at every cut, tree verify against plain
-forwards, and the draft's serving steps against its training forward."""
+chains, trees and prompt lookup -- through drafts fitted to the target (``tiny_fitted``),
+so accepted draft nodes are what is checked -- roll-back at every cut, tree verify against
+plain forwards, and the draft's serving steps against its training forward."""
 
 from __future__ import annotations
 
@@ -19,9 +20,9 @@ from lyanna_train.runtime.draft_tree import TreeShape, draft_tree
 from lyanna_train.runtime.target_step import keep_cache_positions, target_forward, verify_tree
 from lyanna_train.runtime.tree import TokenTree, attention_mask
 
-from .conftest import LAYER_IDS, V, greedy_reference, make_draft, oracle_tree
+from .conftest import FIT_PROMPTS, LAYER_IDS, V, drafted_tokens, greedy_reference, make_draft, oracle_tree
 
-PROMPTS = [[1, 17, 200, 5, 99, 42, 7, 130, 64], [1], [1, 250, 3, 3, 3, 3, 8, 160, 77, 21, 90, 45, 12, 199, 31, 2]]
+PROMPTS = list(FIT_PROMPTS[:3])  # the fitted drafts know the target's continuations of these
 MAX_NEW = 24
 SHAPES = {"plain": TreeShape(0, 1, 1, 0), "chain1": TreeShape(1, 1, 1, 1), "chain5": TreeShape(5, 1, 1, 5),
           "tree": TreeShape(4, 3, 2, 10), "wide": TreeShape(3, 4, 4, 30)}
@@ -39,17 +40,22 @@ def chain(depth: int) -> DecodeSettings:
 @pytest.mark.parametrize("pool", [True, False], ids=["pool", "no-pool"])
 @pytest.mark.parametrize("shape", SHAPES, ids=list(SHAPES))
 @pytest.mark.parametrize("lookup", [0, 4], ids=["draft", "draft+lookup"])
-def test_lossless_against_target_generate(tiny_target, pool, shape, lookup):
-    draft = make_draft(tiny_target, pool)
+def test_lossless_against_target_generate(tiny_target, tiny_fitted, pool, shape, lookup):
+    """Through a draft fitted to the target: its candidates are accepted, so every tree
+    shape's verification, acceptance and roll-back of draft nodes is what is compared."""
+    draft = tiny_fitted[pool]
     for prompt in PROMPTS:
         free = LookupSettings(lookup, branches=2, pool_tokens=lookup)  # prompt lookup and pool candidates
         out = decode.generate(tiny_target, draft, prompt, MAX_NEW, settings(SHAPES[shape], free),
                               eos_ids=(), layer_ids=LAYER_IDS)
         assert out.tokens == greedy_reference(tiny_target, prompt, MAX_NEW)
         assert out.target_forwards == 1 + len(out.accept_lengths) == 1 + len(out.tree_sizes)
-        assert 1 + sum(out.accept_lengths) >= len(out.tokens) > sum(out.accept_lengths)  # only the last is cut
+        # only the last iteration's surplus is cut (the prefill gave one token)
+        assert 1 + sum(out.accept_lengths[:-1]) < len(out.tokens) <= 1 + sum(out.accept_lengths)
         assert all(1 <= tau <= size for tau, size in zip(out.accept_lengths, out.tree_sizes))
         assert all(size <= 1 + SHAPES[shape].max_nodes + 3 * lookup for size in out.tree_sizes)
+        if SHAPES[shape].depth:  # draft nodes were verified and kept (without lookup: only the draft's)
+            assert drafted_tokens(out) >= MAX_NEW // 4, out.accept_lengths
 
 
 def test_prompt_lookup_alone_is_lossless_and_accepts_on_repetition():
@@ -97,13 +103,13 @@ def test_roll_back_at_every_cut(tiny_target, monkeypatch, decoys):
         assert oracle.calls == [len(prompt) + 1 + sum(out.accept_lengths[:i]) for i in range(len(oracle.calls))]
 
 
-def test_stops_after_eos_even_inside_an_accepted_run(tiny_target, monkeypatch):
+def test_stops_after_eos_even_inside_an_accepted_run(tiny_target, tiny_fitted, monkeypatch):
     prompt = PROMPTS[0]
     ref = greedy_reference(tiny_target, prompt, MAX_NEW)
     stop = next(i for i in range(6, MAX_NEW) if ref[i] not in ref[:i])
     expected = greedy_reference(tiny_target, prompt, MAX_NEW, eos=ref[stop])
     assert expected == ref[:stop + 1]
-    draft = make_draft(tiny_target, True)
+    draft = tiny_fitted[True]  # the eos lands inside runs of accepted draft tokens
     run = lambda depth, **kw: decode.generate(tiny_target, draft, prompt, MAX_NEW, chain(depth), layer_ids=LAYER_IDS, **kw)
     assert run(3, eos_ids=[ref[stop]]).tokens == expected
     # eos_ids=None stops where target.generate would, from the target's generation_config
@@ -114,12 +120,13 @@ def test_stops_after_eos_even_inside_an_accepted_run(tiny_target, monkeypatch):
     assert out.tokens == expected and max(out.accept_lengths) == 6
 
 
-def test_streaming_sees_every_token_once(tiny_target):
+def test_streaming_sees_every_token_once(tiny_target, tiny_fitted):
     seen = []
-    out = decode.generate(tiny_target, make_draft(tiny_target, True), PROMPTS[2], 17,
+    out = decode.generate(tiny_target, tiny_fitted[True], PROMPTS[2], 17,
                           settings(SHAPES["tree"], LookupSettings(3)), eos_ids=(), layer_ids=LAYER_IDS,
                           on_tokens=seen.extend)
     assert seen == out.tokens and len(seen) == 17
+    assert max(out.accept_lengths) > 1  # some iterations streamed several accepted tokens at once
 
 
 def test_tree_verify_scores_every_node_after_its_own_path(tiny_target):
@@ -243,7 +250,7 @@ def test_tree_drafting_keeps_the_best_nodes_and_leaves_no_trace(tiny_target):
     assert state.length == 20 and state.scratch <= 20 + 2 * 4
 
 
-def test_lossless_through_the_triton_kernels(tiny_target, monkeypatch):
+def test_lossless_through_the_triton_kernels(tiny_target, tiny_fitted, monkeypatch):
     """The draft's hot paths (hot-vocabulary head + top-k, pool retrieval + α-fusion) run
     through the Triton kernels -- interpreted here, compiled on a GPU -- and decoding stays
     lossless with the same tree as the torch references give."""
@@ -251,7 +258,7 @@ def test_lossless_through_the_triton_kernels(tiny_target, monkeypatch):
 
     if not kernels.interpreter_ready():
         pytest.skip("needs triton and TRITON_INTERPRET=1 from the start (tests/conftest.py sets it without CUDA)")
-    draft = make_draft(tiny_target, True)
+    draft = tiny_fitted[True]
     shape = settings(TreeShape(3, 2, 2, 6), LookupSettings(3))
     prompt = PROMPTS[2]
     reference = decode.generate(tiny_target, draft, prompt, 12, shape, eos_ids=(), layer_ids=LAYER_IDS)
@@ -263,7 +270,7 @@ def test_lossless_through_the_triton_kernels(tiny_target, monkeypatch):
                             or _real(*a))
     out = decode.generate(tiny_target, draft, prompt, 12, shape, eos_ids=(), layer_ids=LAYER_IDS)
     assert out.tokens == reference.tokens == greedy_reference(tiny_target, prompt, 12)
-    assert out.tree_sizes == reference.tree_sizes
+    assert out.tree_sizes == reference.tree_sizes and drafted_tokens(out) >= 4  # kernel-drafted nodes kept
     assert calls["hot_head_topk_triton"] > 0 and calls["pool_fusion_triton"] > 0
 
 

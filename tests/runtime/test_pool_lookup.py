@@ -12,7 +12,7 @@ from lyanna_train.runtime.decode import DecodeSettings, LookupSettings
 from lyanna_train.runtime.draft_tree import TreeShape
 from lyanna_train.runtime.pool_lookup import pool_continuation
 
-from .conftest import LAYER_IDS, greedy_reference, make_draft
+from .conftest import LAYER_IDS, drafted_tokens, greedy_reference
 
 
 class _State:
@@ -46,8 +46,8 @@ def test_follows_the_most_similar_state_in_the_window():
     assert pool_continuation(_State(pool, None, anchor), context, 18, 3, 0.85) == []
 
 
-def test_pool_candidates_are_verified_losslessly_and_counted(tiny_target, monkeypatch):
-    draft = make_draft(tiny_target, pool=True)  # threshold 0: something is always proposed
+def test_pool_candidates_are_verified_losslessly_and_counted(tiny_target, tiny_fitted, monkeypatch):
+    draft = tiny_fitted[True]  # threshold 0: something is always proposed; fitted: its nodes are accepted
     proposed = []
     real = decode.AcceptanceEstimates.proposed_lookup
     monkeypatch.setattr(decode.AcceptanceEstimates, "proposed_lookup",
@@ -59,3 +59,4 @@ def test_pool_candidates_are_verified_losslessly_and_counted(tiny_target, monkey
     pool_runs = [cont for n, cont in proposed if n == POOL]
     assert len(pool_runs) == len(out.accept_lengths) and all(1 <= len(c) <= 5 for c in pool_runs)
     assert max(out.tree_sizes) > 1 + 3  # the pool's run joined the draft's nodes
+    assert drafted_tokens(out) >= 8  # and candidates were accepted, so the caches rolled past them
