@@ -31,7 +31,7 @@ from typing import Iterator, Sequence
 
 import torch
 
-from ..data.features import LayerCapture
+from ..target.capture import LayerCapture
 from ..models.draft_head import DraftHead
 from .batch_draft_step import BatchDraftState
 from .batch_step import Batch, Row, accept_rows, fit_trees, prefill_row, propose_rows, verify_rows
