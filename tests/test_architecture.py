@@ -32,13 +32,17 @@ ALLOWED: dict[str, set[str]] = {
     # serving: the draft, the target's hooks and the export loader; never training code
     "runtime": BASE | {"models", "target", "export"},
     "evaluation": BASE | {"runtime", "models", "target"},
+    # the HTTP server: the runtime, prompt rendering and the export loader; never training code
+    "serving": BASE | {"runtime", "evaluation", "models", "target", "export"},
     "export": BASE | {"models", "target", "hotvocab", "training"},
     "training": BASE | {"target", "data", "hotvocab", "models", "losses", "evaluation", "export"},
-    "cli": BASE | {"target", "data", "hotvocab", "models", "losses", "runtime", "evaluation", "export", "training"},
+    "cli": BASE | {"target", "data", "hotvocab", "models", "losses", "runtime", "evaluation", "export", "training",
+                   "serving"},
 }
 # Module-level exceptions to an edge above: (importing module, imported area) -> allowed modules.
 NARROW = {
     ("runtime", "export"): {"export.loader"},  # serving reads exports, never the writer (which reads checkpoints)
+    ("serving", "export"): {"export.loader"},
     ("export", "training"): {"training.checkpoint"},  # the writer finds a run's latest checkpoint
     ("training", "export"): {"export.loader"},  # fine-tuning starts from an exported head
 }
@@ -146,7 +150,7 @@ def test_heavy_optional_dependencies_are_never_imported_at_module_level_outside_
 
 
 def test_runtime_and_evaluation_never_import_training_libraries():
-    for area in ("runtime", "evaluation"):
+    for area in ("runtime", "evaluation", "serving"):
         for path in (PACKAGE / area).rglob("*.py"):
             for name in _imports(path):
                 assert name.split(".")[0] not in ("deepspeed", "wandb", "datasets"), f"{path} imports {name}"
@@ -159,8 +163,10 @@ def test_import_is_cheap_and_needs_no_accelerator_stack():
 
 
 def test_serving_never_loads_training_code():
-    """What lyanna-generate imports (the runtime, its loader, evaluation's prompts) pulls in no trainer."""
-    code = ("import sys, lyanna_train.runtime.loading, lyanna_train.runtime.decode, lyanna_train.evaluation.benchmark; "
+    """What lyanna-generate and lyanna-serve import (the runtime, its loader, evaluation's prompts, the
+    HTTP server) pulls in no trainer."""
+    code = ("import sys, lyanna_train.runtime.loading, lyanna_train.runtime.decode, lyanna_train.evaluation.benchmark, "
+            "lyanna_train.serving.server, lyanna_train.cli.serve; "
             "print(sorted(m for m in sys.modules if m.startswith('lyanna_train.training') or m.split('.')[0] in "
             "('deepspeed', 'wandb', 'datasets')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout

@@ -95,7 +95,7 @@ def _compose(overrides: list[str]):
 
 
 def check(command: str, monkeypatch):
-    from lyanna_train.cli import bench, export, generate, hotvocab, plan
+    from lyanna_train.cli import bench, export, generate, hotvocab, plan, serve
 
     argv = shlex.split(command)
     program, args = argv[0], argv[1:]
@@ -116,7 +116,7 @@ def check(command: str, monkeypatch):
         namespace = _argparse(plan.main, args)
         return _compose(namespace.overrides)
     mains = {"lyanna-bench": bench.main, "lyanna-export": export.main, "lyanna-generate": generate.main,
-             "lyanna-hotvocab": hotvocab.main}
+             "lyanna-hotvocab": hotvocab.main, "lyanna-serve": serve.main}
     if program in mains:
         return _argparse(mains[program], args)
     if program in ("python", ".venv/bin/python") and args and args[0].endswith(".py"):

@@ -20,12 +20,8 @@ from lyanna_train.errors import LyannaError
 from lyanna_train.evaluation import benchmark as B
 from lyanna_train.evaluation.prompts import Question, read_questions, render_prompt
 from lyanna_train.runtime.decode import DecodeSettings, GenerationResult
+from ..tiny_models import H, byte_level_tokenizer, tiny_llama  # H: also test_batched_bench's
 
-H = 64
-TEXTS = ["Hello there, how are you today?", "def add(a, b):\n    return a + b\n", "naïve café 🚀 東京 ok",
-         "The quick brown fox jumps over the lazy dog.", "Speculative decoding drafts and verifies tokens."]
-CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 QUESTIONS = [{"question_id": 1, "category": "writing", "turns": ["Write about tea.", "Now shorter."]},
              {"question_id": 2, "category": "coding", "turns": ["def fib(n):", "Add a docstring."]}]
 
@@ -35,32 +31,12 @@ pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: see tests/con
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    """A byte-level BPE (multi-byte characters split over tokens) with a ChatML template."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator(TEXTS * 4, trainers.BpeTrainer(
-        vocab_size=320, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|endoftext|>", eos_token="<|im_end|>",
-                                   pad_token="<|endoftext|>", clean_up_tokenization_spaces=False)
-    fast.chat_template = CHATML
-    return fast
+    return byte_level_tokenizer()
 
 
 @pytest.fixture(scope="module")
 def target(tokenizer):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    # initializer_range 0.2: varied continuations and clear argmax margins (no fp ties).
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=H, intermediate_size=128, num_hidden_layers=4,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                         initializer_range=0.2, bos_token_id=0, eos_token_id=None, pad_token_id=0)
-    return LlamaForCausalLM(config).eval().requires_grad_(False)
+    return tiny_llama(tokenizer)
 
 
 def greedy(target, prompt: list[int], max_new_tokens: int) -> list[int]:
