@@ -16,6 +16,7 @@ import torch
 
 from ..models.draft_head import DraftHead
 from ..models.state_pool import EMPTY, StatePool
+from .draft_step import grow_kv
 
 
 def chunk_mask(starts: torch.Tensor, width: int, kv_length: int) -> torch.Tensor:
@@ -67,13 +68,8 @@ class BatchDraftState:
         self.anchor_pos = [-1] * slots
 
     def reserve(self, total: int) -> None:
-        """Room for ``total`` slots per row (accepted plus scratch), grown by doubling."""
-        if total <= self.keys.shape[2]:
-            return
-        size = max(total, 2 * self.keys.shape[2])
-        grow = self.keys.new_zeros(*self.keys.shape[:2], size - self.keys.shape[2], self.keys.shape[3])
-        self.keys = torch.cat([self.keys, grow], dim=2)
-        self.values = torch.cat([self.values, torch.zeros_like(grow)], dim=2)
+        """Room for ``total`` slots per row (accepted plus scratch)."""
+        self.keys, self.values = grow_kv(self.keys, self.values, total)
 
     def row(self, slot: int) -> RowView:
         pool = self.pool.rows(slice(slot, slot + 1)) if self.pool is not None else None

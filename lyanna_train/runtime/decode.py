@@ -33,7 +33,7 @@ from .draft_tree import TreeShape, draft_tree
 from .pool_lookup import pool_continuation
 from .prompt_lookup import lookup_continuations
 from .sampling import SamplingParams, accept_tree_sampling, warp_probs
-from .target_step import keep_cache_positions, target_forward, verify_tree
+from .target_step import draft_capture, keep_cache_positions, target_forward, verify_tree
 from .tree import TokenTree, accept_greedy_tree, attention_mask
 
 
@@ -132,12 +132,7 @@ def prefill(target, draft: DraftHead | None, prompt_ids, settings: DecodeSetting
     """Run the target over the prompt [1, P] (-> its next token x_P) and the draft's step 0
     over anchors 0..P-1 (tokens x_1..x_P), filling both caches and the pool."""
     prompt = _as_prompt(prompt_ids, target.device)
-    capture = None
-    if draft is not None:
-        capture = LayerCapture(target, layer_ids or draft.cfg.aux_layer_ids or None)
-        if capture.aux_size != draft.fc.in_features:
-            raise ValueError(f"the draft's fc reads {draft.fc.in_features} features, "
-                             f"layers {capture.layer_ids} of the target give {capture.aux_size}")
+    capture = draft_capture(target, draft, layer_ids)
     cache = DynamicCache(config=target.config)
     logits, aux = target_forward(target, capture, cache, prompt, logits_to_keep=1)
     generator = torch.Generator().manual_seed(settings.seed)

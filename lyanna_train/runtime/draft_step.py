@@ -46,13 +46,18 @@ class DraftState:
 
     def reserve(self, total: int) -> None:
         """Make room for ``total`` positions (accepted plus scratch)."""
-        if total <= self.keys.shape[2]:
-            return
-        size = max(total, 2 * self.keys.shape[2])
-        grow = self.keys.new_zeros(*self.keys.shape[:2], size - self.keys.shape[2], self.keys.shape[3])
-        self.keys = torch.cat([self.keys, grow], dim=2)
-        self.values = torch.cat([self.values, torch.zeros_like(grow)], dim=2)
+        self.keys, self.values = grow_kv(self.keys, self.values, total)
 
+
+
+def grow_kv(keys: torch.Tensor, values: torch.Tensor, total: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[B, heads, slots, dim]`` buffers with room for ``total`` slots, grown by doubling
+    (amortised: decoding reserves a few slots at a time)."""
+    if total <= keys.shape[2]:
+        return keys, values
+    size = max(total, 2 * keys.shape[2])
+    grow = keys.new_zeros(*keys.shape[:2], size - keys.shape[2], keys.shape[3])
+    return torch.cat([keys, grow], dim=2), torch.cat([values, torch.zeros_like(grow)], dim=2)
 
 
 def _chunk_mask(past: int, n: int, device) -> torch.Tensor:

@@ -31,13 +31,13 @@ from typing import Iterator, Sequence
 
 import torch
 
-from ..target.capture import LayerCapture
 from ..models.draft_head import DraftHead
 from .batch_draft_step import BatchDraftState
 from .batch_step import Batch, Row, accept_rows, fit_trees, prefill_row, propose_rows, verify_rows
 from .cost import VerifyCost
 from .decode import DecodeSettings, FusionSettings, cut, stop_ids  # FusionSettings: re-exported
 from .ragged_cache import RaggedCache
+from .target_step import draft_capture
 from .requests import Request, Status, check_request
 from .sampling import SamplingParams
 from .tree import TokenTree
@@ -69,12 +69,7 @@ class BatchDecoder:
                  layer_ids: Sequence[int] | None = None, fusion: FusionSettings | None = None):
         if max_batch < 1:
             raise ValueError(f"max_batch must be at least 1, got {max_batch}")
-        capture = None
-        if draft is not None:
-            capture = LayerCapture(target, layer_ids or draft.cfg.aux_layer_ids or None)
-            if capture.aux_size != draft.fc.in_features:
-                raise ValueError(f"the draft's fc reads {draft.fc.in_features} features, "
-                                 f"layers {capture.layer_ids} of the target give {capture.aux_size}")
+        capture = draft_capture(target, draft, layer_ids)
         self.batch = Batch(target, draft, capture, RaggedCache.for_model(target, max_batch),
                            BatchDraftState(draft, max_batch) if draft is not None else None, settings,
                            cost if settings.verify == "auto" and cost is not None else VerifyCost.flat(),

@@ -20,6 +20,18 @@ from transformers import DynamicCache
 from ..target.capture import LayerCapture
 
 
+def draft_capture(target, draft, layer_ids=None) -> LayerCapture | None:
+    """The hooks that give ``draft`` its features from ``target`` (None without a draft),
+    refused when the captured layers do not give the width the draft's ``fc`` reads."""
+    if draft is None:
+        return None
+    capture = LayerCapture(target, layer_ids or draft.cfg.aux_layer_ids or None)
+    if capture.aux_size != draft.fc.in_features:
+        raise ValueError(f"the draft's fc reads {draft.fc.in_features} features, "
+                         f"layers {capture.layer_ids} of the target give {capture.aux_size}")
+    return capture
+
+
 def _cache_kwarg(target) -> str:
     # transformers 5 renamed ``past_key_values`` to ``cache`` (the old name warns).
     return "cache" if "cache" in inspect.signature(target.forward).parameters else "past_key_values"
