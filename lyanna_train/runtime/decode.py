@@ -63,12 +63,12 @@ class FusionSettings:
 class DecodeSettings:
     tree: TreeShape = TreeShape()
     lookup: LookupSettings = LookupSettings()
-    fusion: FusionSettings = FusionSettings()
     sampling: SamplingParams = SamplingParams()
     seed: int = 0  # of the sampling generator
     # "auto": verify the candidates that maximise expected tokens per second of measured
     # target time (:mod:`.cost`); "all": verify every candidate
     verify: str = "auto"
+    fusion: FusionSettings = FusionSettings()  # last: positional callers keep their meaning
 
     def __post_init__(self):
         if self.verify not in ("auto", "all"):
