@@ -12,6 +12,17 @@ V, H = 256, 64
 LAYER_IDS = (0, 1, 2)  # default_layer_ids needs more than 4 layers
 
 
+def add_oracle_chain(tree, full, n: int, right: int, depth: int, decoys: int = 0) -> None:
+    """A chain of ``depth`` guesses of x_n.. under the root: the reference tokens for the
+    first ``right``, then wrong ones; ``decoys`` wrong siblings before each chain node."""
+    parent = 0
+    for j in range(depth):
+        token = full[n + j] if j < right else (full[n + j] + 1) % V
+        for k in range(1, decoys + 1):
+            tree.add(parent, (token + 7 * k) % V)
+        parent = tree.add(parent, token)
+
+
 @pytest.fixture(autouse=True)
 def _tiny_models_on_one_thread(one_thread):
     """Every runtime test on one thread (see ``one_thread`` in tests/conftest.py)."""
@@ -68,12 +79,7 @@ def oracle_tree(full: list[int], good=None, decoys: int = 0):
     def draft_tree(draft, state, tree, shape):
         n = state.anchor_pos + 2  # tokens accepted so far: the draft guesses x_n onwards
         right = shape.depth if good is None else min(good(len(calls)), shape.depth)
-        parent = 0
-        for j in range(shape.depth):
-            token = full[n + j] if j < right else (full[n + j] + 1) % V
-            for k in range(1, decoys + 1):
-                tree.add(parent, (token + 7 * k) % V)
-            parent = tree.add(parent, token)
+        add_oracle_chain(tree, full, n, right, shape.depth, decoys)
         calls.append(n)
         return []
 

@@ -15,7 +15,7 @@ from lyanna_train.runtime.draft_tree import TreeShape
 from lyanna_train.runtime.requests import Status
 from lyanna_train.runtime.scheduler import BatchDecoder, FusionSettings, generate_batch
 
-from .conftest import LAYER_IDS, V, greedy_reference, make_draft
+from .conftest import LAYER_IDS, V, add_oracle_chain, greedy_reference, make_draft
 
 PROMPTS = [[1, 17, 200, 5, 99, 42, 7, 130, 64], [1], [1, 250, 3, 3, 3, 3, 8, 160, 77, 21, 90, 45, 12, 199, 31, 2],
            [1, 5, 6, 7, 5, 6, 7, 5, 6], [1, 33, 34]]
@@ -103,12 +103,7 @@ def _batch_oracle(decoder, fulls: dict, good=None, decoys: int = 2):
             i = calls.setdefault(row.request.id, 0)
             right = shape.depth if good is None else min(good(row.request.id, i), shape.depth)
             calls[row.request.id] = i + 1
-            parent = 0
-            for j in range(shape.depth):
-                token = full[n + j] if j < right else (full[n + j] + 1) % V
-                for k in range(1, decoys + 1):
-                    tree.add(parent, (token + 7 * k) % V)
-                parent = tree.add(parent, token)
+            add_oracle_chain(tree, full, n, right, shape.depth, decoys)
         return [[] for _ in trees]
 
     return draft_trees
