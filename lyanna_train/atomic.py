@@ -1,4 +1,5 @@
-"""Atomic writes: an interrupted run never leaves something that looks complete.
+"""Atomic writes (an interrupted run never leaves something that looks complete), and
+checked reads of what they wrote.
 
 Files are written to a temporary sibling and renamed into place; directories are
 built in a hidden temporary sibling and renamed only once everything is written.
@@ -70,6 +71,19 @@ def write_text_atomic(path: str | os.PathLike, text: str) -> None:
         with contextlib.suppress(OSError):
             tmp.unlink()
         raise
+
+
+def read_json(path: Path) -> dict:
+    """A JSON object from ``path``; a missing or malformed file is a one-line error naming it."""
+    if not path.is_file():
+        raise LyannaError(f"missing {path.name} in {path.parent}")
+    try:
+        obj = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise LyannaError(f"{path} is not valid JSON: {err}") from None
+    if not isinstance(obj, dict):
+        raise LyannaError(f"{path} does not hold a JSON object")
+    return obj
 
 
 def write_json_atomic(path: str | os.PathLike, obj) -> None:

@@ -8,28 +8,16 @@ a NaN or infinite weight — is one ``LyannaError`` naming the file or the tenso
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
 
+from ..atomic import read_json
 from ..errors import LyannaError
 from ..models.config import DraftConfig
 from ..models.draft_head import DraftHead
 from . import formats as F
 from .integrity import check_digests, check_finite
-
-
-def read_json(path: Path) -> dict:
-    if not path.is_file():
-        raise LyannaError(f"missing {path.name} in {path.parent}")
-    try:
-        obj = json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise LyannaError(f"{path} is not valid JSON: {err}") from None
-    if not isinstance(obj, dict):
-        raise LyannaError(f"{path} does not hold a JSON object")
-    return obj
 
 
 def read_tensors(path: Path) -> dict[str, torch.Tensor]:

@@ -15,7 +15,7 @@ from ..errors import LyannaError
 @dataclass
 class TargetConf:
     name: str = "smollm2"  # embedded name, GGUF file or Hugging Face directory of the target
-    dtype: str = "float32"  # compute dtype of the frozen target (bfloat16 on GPU recipes)
+    dtype: str = "float32"  # compute dtype of the frozen target; auto: bfloat16 where the device has it natively
     aux_layers: Optional[list] = None  # decoder layers fused by fc; None = EAGLE-3's (1, L/2-1, L-4)
 
 
@@ -94,8 +94,12 @@ class TrainConf:
     keep_last: int = 2  # checkpoints kept
     resume: str = "auto"  # auto: latest checkpoint, same config only; force: continue it with a changed one; never; or a path
     threads: Optional[int] = None  # torch CPU threads per rank (None = torch's default)
+    # minutes the whole run may take here (features, training, held-out, evaluation): measured
+    # at the start, data.max_samples is cut to what fits (training/budget.py); None = no limit
+    time_budget_min: Optional[float] = None
     # the draft's forward and losses under torch.autocast in this dtype (master weights and
-    # optimizer stay fp32); bfloat16 trains ~3x faster on CPUs with AVX512-BF16 / AMX
+    # optimizer stay fp32); bfloat16 trains ~3x faster on CPUs with AVX512-BF16 / AMX but
+    # ~5x slower on CPUs without (emulated); auto: bfloat16 where native, else off
     autocast: Optional[str] = None
 
 

@@ -65,9 +65,27 @@ def train(cfg, config_dict: dict | None = None) -> dict:
         torch.set_num_threads(cfg.train.threads)
     rank, world = init_distributed(cfg.deepspeed.backend)
     say = print if rank == 0 else (lambda *_: None)
+    resolve_auto_precision(cfg, say)
     out_dir = Path(cfg.train.out_dir)
     with run_folder.claim(cfg, out_dir, rank, world, say) as claimed:
         return _train(cfg, config_dict, claimed, out_dir, rank, world, say)
+
+
+def resolve_auto_precision(cfg, say) -> None:
+    """``target.dtype=auto`` / ``train.autocast=auto`` -> what this machine computes natively,
+    written into ``cfg`` before the run folder records it (so a resume compares real dtypes)."""
+    from omegaconf import read_write
+
+    from ..target import precision
+
+    with read_write(cfg):
+        for group, key, resolve in (("target", "dtype", precision.resolve_dtype),
+                                    ("train", "autocast", precision.resolve_autocast)):
+            name = cfg[group][key]
+            cfg[group][key] = resolve(name)
+            line = precision.describe(f"{group}.{key}", name, cfg[group][key])
+            if line:
+                say(line)
 
 
 def _check_same_target(record: dict | None, fingerprints: dict, checkpoint: Path) -> None:
@@ -88,6 +106,14 @@ def _train(cfg, config_dict, claimed, out_dir: Path, rank: int, world: int, say)
     agreement = None
     fingerprints = {"target": {"name": cfg.target.name, "fingerprint": target_fingerprint(parts.target)},
                     "tokenizer": {"fingerprint": tokenizer_fingerprint(parts.tokenizer)}}
+    if cfg.train.time_budget_min:
+        from omegaconf import read_write
+
+        from .budget import budgeted_samples
+
+        with read_write(cfg):
+            cfg.data.max_samples = budgeted_samples(cfg, parts, training_samples(cfg, parts.tokenizer), out_dir,
+                                                    rank, say)
     if cfg.data.features == "cached":
         samples = training_samples(cfg, parts.tokenizer)
         cache = feature_cache(cfg, samples, parts.target, parts.tokenizer, parts.layer_ids, out_dir, rank, world)

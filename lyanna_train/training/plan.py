@@ -29,7 +29,8 @@ import torch
 from ..errors import LyannaError
 
 GiB = 1024**3
-_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+# "auto" is bf16 on the GPUs a plan is made for (every one a 7B run would use has it natively)
+_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "auto": 2}
 
 
 @dataclass
@@ -123,7 +124,7 @@ def make_plan(cfg, world: int = 1, tokens: int | None = None, config=None) -> Pl
     rows = max(cfg.data.batch_tokens // cfg.data.max_length, 1)
     t, steps = cfg.data.max_length, cfg.loss.ttt_steps
     heads = cfg.draft.num_attention_heads or config.num_attention_heads
-    act_bytes = 2 if cfg.train.autocast in ("bfloat16", "float16") or on_gpu_bf16 else 4
+    act_bytes = 2 if cfg.train.autocast in ("auto", "bfloat16", "float16") or on_gpu_bf16 else 4
     memory = {
         "target weights": target_params * _DTYPE_BYTES.get(cfg.target.dtype, 4),
         "draft weights": draft_params * weight_bytes,

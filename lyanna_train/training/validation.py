@@ -100,7 +100,7 @@ def resume() -> Rule:
 RULES: dict[str, Rule] = {
     "run_name": text(),
     "target.name": text(),
-    "target.dtype": one_of("float32", "bfloat16", "float16"),
+    "target.dtype": one_of("auto", "float32", "bfloat16", "float16"),
     "target.aux_layers": optional(layer_list()),
     "draft.hidden_size": optional(integer(1)),
     "draft.intermediate_size": optional(integer(1)),
@@ -153,7 +153,8 @@ RULES: dict[str, Rule] = {
     "train.keep_last": integer(0),
     "train.resume": resume(),
     "train.threads": optional(integer(1)),
-    "train.autocast": one_of(None, "bfloat16", "float16"),
+    "train.time_budget_min": optional(number(0, low_open=True)),
+    "train.autocast": one_of(None, "auto", "bfloat16", "float16"),
     "deepspeed.zero_stage": one_of(0, 1, 2),
     "deepspeed.precision": one_of("auto", "fp32", "bf16"),
     "deepspeed.backend": one_of("auto", "gloo", "nccl"),

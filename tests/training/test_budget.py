@@ -1,0 +1,98 @@
+"""A run fitted to a time budget on this machine, and ``auto`` precision."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from lyanna_train.errors import LyannaError
+from lyanna_train.target import precision
+from lyanna_train.training import budget
+from lyanna_train.training.budget import Costs
+from lyanna_train.training.loop import resolve_auto_precision, train
+from lyanna_train.training.setup import build_parts, training_samples
+
+from .conftest import compose, tiny_overrides
+
+TINY = ("target.aux_layers=[0,1,2]",)
+
+
+def _cfg(tmp_path, tiny_target_dir, tiny_corpus, *extra):
+    return compose(tiny_overrides(tiny_target_dir, tiny_corpus, tmp_path / "run", *TINY, *extra))
+
+
+def test_fit_is_the_budget_arithmetic(tmp_path, tiny_target_dir, tiny_corpus):
+    cfg = _cfg(tmp_path, tiny_target_dir, tiny_corpus, "train.time_budget_min=10", "train.epochs=3",
+               "data.max_samples=1000", "eval.num_prompts=4", "eval.max_new_tokens=10", "eval.heldout_samples=8")
+    costs = Costs(feature=0.01, train=0.002, decode=0.5)
+    fit = budget.fit(cfg, costs, tokens_per_sample=100, heldout_tokens=800)
+    # fixed: held-out 800 * 0.01 = 8 s, evaluation 4 * 10 * 0.5 = 20 s, loading 45 s
+    per_sample = 100 * (0.01 + 3 * 0.002)  # 1.6 s
+    assert fit.samples == int((600 - 8 - 20 - budget.FIXED_S) / per_sample)
+    assert sum(fit.minutes.values()) == pytest.approx(fit.samples * per_sample / 60 + (8 + 20 + 45) / 60)
+    assert fit.wanted_minutes == pytest.approx((1000 * per_sample + 73) / 60)
+    assert "of 1000 samples fit" in fit.describe(10, 1000)
+    # a generous budget keeps the configured data, never more
+    roomy = _cfg(tmp_path, tiny_target_dir, tiny_corpus, "train.time_budget_min=10000", "data.max_samples=50")
+    assert budget.fit(roomy, costs, 100, 800).samples == 50
+    # nothing fits: one line that says what to change
+    tight = _cfg(tmp_path, tiny_target_dir, tiny_corpus, "train.time_budget_min=0.5", "data.max_samples=50",
+                 "eval.num_prompts=4", "eval.max_new_tokens=10")
+    with pytest.raises(LyannaError, match="not even one sample fits"):
+        budget.fit(tight, costs, 100, 800)
+
+
+def test_measured_costs_and_the_decision_kept_for_a_resume(tmp_path, tiny_target_dir, tiny_corpus, monkeypatch):
+    out = tmp_path / "run"
+    cfg = _cfg(tmp_path, tiny_target_dir, tiny_corpus, "train.time_budget_min=2", "data.max_samples=5000",
+               "eval.num_prompts=1")
+    parts = build_parts(cfg, out, True)
+    samples = training_samples(cfg, parts.tokenizer)
+    lines = []
+    n = budget.budgeted_samples(cfg, parts, samples, out, 0, lines.append)
+    assert 1 <= n < 5000  # the tiny corpus at these speeds: far more than 2 minutes for 5,000 samples
+    record = json.loads((out / "budget.json").read_text())
+    assert record == {"time_budget_min": 2, "max_samples": 5000, "samples": n}
+    assert "of 5000 samples fit" in lines[0] and "measured here: features" in lines[0]
+    # a second start reuses the decision instead of measuring again
+    monkeypatch.setattr(budget, "measure", lambda *a: pytest.fail("measured again"))
+    assert budget.budgeted_samples(cfg, parts, samples, out, 0, lines.append) == n
+    assert "as decided when this run started" in lines[-1]
+    monkeypatch.undo()
+    # the costs are real timings of this machine's parts
+    batch = [s for _, s in zip(range(2), samples)]
+    costs = budget.measure(parts, batch, cfg)
+    assert all(0 < v < 10 for v in (costs.feature, costs.train, costs.decode))
+
+
+@pytest.mark.slow  # a full train() run
+def test_a_budgeted_run_trains_on_what_fits(tmp_path, tiny_target_dir, tiny_corpus, monkeypatch):
+    monkeypatch.setattr(budget, "measure", lambda *a: Costs(feature=0.004, train=0.004, decode=0.001))
+    out = tmp_path / "run"
+    # 60 s minus 45 s of fixed costs leaves 15 s; a sample costs its ~128 tokens x 0.016 s: ~7 samples
+    result = train(_cfg(tmp_path, tiny_target_dir, tiny_corpus, "train.time_budget_min=1", "data.max_samples=400",
+                        "train.epochs=3", "eval.num_prompts=0", "eval.heldout_samples=0"))
+    samples = json.loads((out / "budget.json").read_text())["samples"]
+    assert 3 <= samples <= 12  # of the tiny corpus's ~25
+    manifest = json.loads((out / "features" / "manifest.json").read_text())
+    assert manifest["totals"]["samples"] == samples  # the features cover exactly the samples that fit
+    assert result["step"] >= 1
+
+
+def test_auto_precision_follows_the_machine(tmp_path, tiny_target_dir, tiny_corpus):
+    native = precision.native_bf16("cpu")
+    assert native == (torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
+    assert precision.resolve_dtype("auto", "cpu") == ("bfloat16" if native else "float32")
+    assert precision.resolve_autocast("auto", "cpu") == ("bfloat16" if native else None)
+    assert precision.resolve_dtype("float16", "cpu") == "float16"  # explicit values are kept
+    assert precision.resolve_autocast(None, "cpu") is None
+    assert precision.describe("train.autocast", "bfloat16", "bfloat16") is None
+    cfg = _cfg(tmp_path, tiny_target_dir, tiny_corpus, "target.dtype=auto", "train.autocast=auto")
+    lines = []
+    resolve_auto_precision(cfg, lines.append)
+    assert cfg.target.dtype == precision.resolve_dtype("auto") and cfg.train.autocast == precision.resolve_autocast("auto")
+    assert lines[0].startswith("target.dtype=auto -> ") and lines[1].startswith("train.autocast=auto -> ")
+    if not native:
+        assert "no native bf16 on this cpu" in lines[0]
