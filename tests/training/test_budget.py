@@ -28,11 +28,12 @@ def test_fit_is_the_budget_arithmetic(tmp_path, tiny_target_dir, tiny_corpus):
                "data.max_samples=1000", "eval.num_prompts=4", "eval.max_new_tokens=10", "eval.heldout_samples=8")
     costs = Costs(feature=0.01, train=0.002, decode=0.5)
     fit = budget.fit(cfg, costs, tokens_per_sample=100, heldout_tokens=800)
-    # fixed: held-out 800 * 0.01 = 8 s, evaluation 4 * 10 * 0.5 = 20 s, loading 45 s
+    # fixed: held-out 800 * 0.01 = 8 s, evaluation 4 * 10 * 0.5 * 2 = 40 s, loading 45 s
     per_sample = 100 * (0.01 + 3 * 0.002)  # 1.6 s
-    assert fit.samples == int((600 - 8 - 20 - budget.FIXED_S) / per_sample)
-    assert sum(fit.minutes.values()) == pytest.approx(fit.samples * per_sample / 60 + (8 + 20 + 45) / 60)
-    assert fit.wanted_minutes == pytest.approx((1000 * per_sample + 73) / 60)
+    evaluation = 4 * 10 * 0.5 * budget.EVAL_PER_DECODE
+    assert fit.samples == int((600 - 8 - evaluation - budget.FIXED_S) / per_sample)
+    assert sum(fit.minutes.values()) == pytest.approx((fit.samples * per_sample + 8 + evaluation + 45) / 60)
+    assert fit.wanted_minutes == pytest.approx((1000 * per_sample + 8 + evaluation + 45) / 60)
     assert "of 1000 samples fit" in fit.describe(10, 1000)
     # a generous budget keeps the configured data, never more
     roomy = _cfg(tmp_path, tiny_target_dir, tiny_corpus, "train.time_budget_min=10000", "data.max_samples=50")

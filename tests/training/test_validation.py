@@ -33,7 +33,7 @@ def test_every_config_field_has_an_allowed_range():
     ("hotvocab.size=-5", "hotvocab.size = -5", "null or an integer >= 1"),
     ("train.lr=-1", "train.lr = -1.0", "a finite number in (0, 1]"),
     ("train.lr=nan", "train.lr = nan", "a finite number in (0, 1]"),
-    ("target.dtype=float64x", "target.dtype = 'float64x'", "one of float32, bfloat16, float16"),
+    ("target.dtype=float64x", "target.dtype = 'float64x'", "one of auto, float32, bfloat16, float16"),
     ("train.threads=-1", "train.threads = -1", "null or an integer >= 1"),
     ("train.epochs=0", "train.epochs = 0", "an integer >= 1"),
     ("draft.pool_size=64", "draft.pool_size = 64", "0 (pool off) or an integer >= 128"),
