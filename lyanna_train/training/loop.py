@@ -88,6 +88,20 @@ def resolve_auto_precision(cfg, say) -> None:
                 say(line)
 
 
+def _plot_curves(out_dir: Path, say) -> None:
+    """training.png beside metrics.jsonl; the run is already saved, so a failure here only says so."""
+    from ..errors import os_error_line
+    from .curves import plot_training
+
+    try:
+        written = plot_training(out_dir / "metrics.jsonl", out_dir / "training.png")
+    except OSError as err:
+        say(f"training.png not written: {os_error_line(err)}")
+        return
+    if written:
+        say(f"wrote {written} (loss, learning rate, top-1 per unroll step, held-out agreement)")
+
+
 def _check_same_target(record: dict | None, fingerprints: dict, checkpoint: Path) -> None:
     """A checkpoint continues only on the target (and tokenizer) it was trained on, even under force."""
     for part in ("target", "tokenizer"):
@@ -242,6 +256,8 @@ def _train(cfg, config_dict, claimed, out_dir: Path, rank: int, world: int, say)
             tracker.log(state["step"], final)
     engine.barrier()
     save()
+    if rank == 0:
+        _plot_curves(out_dir, say)
     say(f"done: step {state['step']}, checkpoint {ckpt.latest_checkpoint(root)}; " +
         ", ".join(f"{k} {v:.3f}" for k, v in final.items()))
     tracker.finish()

@@ -179,6 +179,7 @@ def test_heldout_agreement_and_the_issue_11_levers_in_a_run(tmp_path, tiny_targe
                 "eval/heldout_in_hot"):
         assert key in result and 0 <= abs(result[key]) <= 1, key
     assert result["eval/top1_gap"] == pytest.approx(result["eval/train_top1_step0"] - result["eval/heldout_top1_step0"])
+    assert (out / "training.png").read_bytes()[:4] == b"\x89PNG"  # the curves, drawn at the end of the run
     from safetensors.torch import load_file
 
     from lyanna_train.training.checkpoint import latest_checkpoint
