@@ -79,13 +79,15 @@ def measure(parts, samples: list, cfg) -> Costs:
 
     def features():
         feats = extractor(ids)
-        teacher_summary(feats.last.reshape(-1, feats.last.shape[-1]), parts.lm_weight)
-        return feats
+        return feats, teacher_summary(feats.last.reshape(-1, feats.last.shape[-1]), parts.lm_weight)
 
-    feature_s = _timed(features)
-    feats = features()
+    feature_s = _timed(features, repeats=1)  # a full batch of target forwards: steady, and the dearest to repeat
+    feats, (top1, lse) = features()
+    # the cached teacher summary rides along, as from the feature cache: without it the loss
+    # would form the full-vocabulary logits itself (a training step 1.5x slower than the run's)
     step = {"aux": feats.aux.clone(), "last": feats.last.clone(), "input_ids": ids,
-            "loss_mask": batch["loss_mask"], "valid": batch["attention_mask"]}
+            "loss_mask": batch["loss_mask"], "valid": batch["attention_mask"],
+            "teacher_top1": top1.view(ids.shape), "teacher_lse": lse.view(ids.shape)}
     draft = copy.deepcopy(parts.draft).train()
     device_type = next(draft.parameters()).device.type
     autocast = torch.autocast(device_type, dtype=getattr(torch, cfg.train.autocast or "float32"),
@@ -109,19 +111,21 @@ def _decode_step(target, token: torch.Tensor) -> float:
         return _timed(lambda: target(input_ids=token, use_cache=False, logits_to_keep=1), repeats=3)
 
 
-def fit(cfg, costs: Costs, tokens_per_sample: float, heldout_tokens: float) -> Fit:
+def fit(cfg, costs: Costs, tokens_per_sample: float, heldout_tokens: float, spent: float = 0.0) -> Fit:
     """The most samples whose features, ``train.epochs`` passes and the fixed phases
-    (held-out features, evaluation, loading) fit ``train.time_budget_min``."""
+    (held-out features, evaluation, loading, and the ``spent`` seconds already gone: the hot
+    vocabulary and this measurement) fit ``train.time_budget_min``."""
     budget_s = cfg.train.time_budget_min * 60
     evaluation = cfg.eval.num_prompts * cfg.eval.max_new_tokens * costs.decode * EVAL_PER_DECODE
-    fixed = {"held-out features": heldout_tokens * costs.feature, "evaluation": evaluation, "loading, saving": FIXED_S}
+    fixed = {"set-up so far": spent, "held-out features": heldout_tokens * costs.feature, "evaluation": evaluation,
+             "loading, saving": FIXED_S}
     per_sample = tokens_per_sample * (costs.feature + cfg.train.epochs * costs.train)
     configured = cfg.data.max_samples
     room = budget_s - sum(fixed.values())
     samples = min(configured, int(room / per_sample)) if room > 0 else 0
     if samples < 1:
         raise LyannaError(f"train.time_budget_min={cfg.train.time_budget_min:g}: not even one sample fits on this "
-                          f"machine (held-out features, evaluation and loading alone take ~{sum(fixed.values()) / 60:.1f}"
+                          f"machine (set-up so far, held-out features, evaluation and loading alone take ~{sum(fixed.values()) / 60:.1f}"
                           " min); raise the budget or lower eval.num_prompts / eval.heldout_samples")
 
     def minutes(n: int) -> dict:
@@ -132,8 +136,9 @@ def fit(cfg, costs: Costs, tokens_per_sample: float, heldout_tokens: float) -> F
     return Fit(samples, tokens_per_sample, minutes(samples), sum(minutes(configured).values()))
 
 
-def within_budget(cfg, parts, samples, say) -> int:
-    """``data.max_samples`` cut to what ``train.time_budget_min`` allows here (measured now)."""
+def within_budget(cfg, parts, samples, say, started: float | None = None) -> int:
+    """``data.max_samples`` cut to what ``train.time_budget_min`` allows here (measured now;
+    ``started``: the run's ``perf_counter`` at its start, so what set-up took counts too)."""
     if not cfg.data.max_samples:
         raise LyannaError("train.time_budget_min needs data.max_samples (the most samples the run may use)")
     first = list(itertools.islice(iter(samples), 64))  # tokens per sample, and one batch to time
@@ -146,14 +151,15 @@ def within_budget(cfg, parts, samples, say) -> int:
         total += len(s)
     costs = measure(parts, batch, cfg)
     heldout = cfg.eval.heldout_samples * tokens_per_sample
-    result = fit(cfg, costs, tokens_per_sample, heldout)
+    spent = time.perf_counter() - started if started is not None else 0.0
+    result = fit(cfg, costs, tokens_per_sample, heldout, spent)
     say(f"{result.describe(cfg.train.time_budget_min, cfg.data.max_samples)} "
         f"(measured here: features {1 / costs.feature:.0f} tok/s, training {1 / costs.train:.0f} tok/s per pass, "
         f"decoding {1 / costs.decode:.1f} tok/s)")
     return result.samples
 
 
-def budgeted_samples(cfg, parts, samples, out_dir: Path, rank: int, say) -> int:
+def budgeted_samples(cfg, parts, samples, out_dir: Path, rank: int, say, started: float | None = None) -> int:
     """The run's sample count under its time budget, decided once per run folder.
 
     Rank 0 measures and records the decision in ``budget.json``; every rank reads it, and
@@ -167,7 +173,7 @@ def budgeted_samples(cfg, parts, samples, out_dir: Path, rank: int, say) -> int:
             say(f"time budget {cfg.train.time_budget_min:g} min: {saved['samples']} samples, as decided when "
                 f"this run started ({record})")
         else:
-            write_json_atomic(record, {**key, "samples": within_budget(cfg, parts, samples, say)})
+            write_json_atomic(record, {**key, "samples": within_budget(cfg, parts, samples, say, started)})
     if torch.distributed.is_initialized():
         torch.distributed.barrier()
     return int(read_json(record)["samples"])

@@ -60,6 +60,7 @@ def evaluate(cfg, parts, draft, agreement=None) -> dict:
 
 def train(cfg, config_dict: dict | None = None) -> dict:
     """Validate, claim the run folder (one run at a time, same config), then set up, train and save."""
+    started = time.perf_counter()  # the time budget counts from here
     validate(cfg)  # every value, before any work
     if cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)
@@ -68,7 +69,7 @@ def train(cfg, config_dict: dict | None = None) -> dict:
     resolve_auto_precision(cfg, say)
     out_dir = Path(cfg.train.out_dir)
     with run_folder.claim(cfg, out_dir, rank, world, say) as claimed:
-        return _train(cfg, config_dict, claimed, out_dir, rank, world, say)
+        return _train(cfg, config_dict, claimed, out_dir, rank, world, say, started)
 
 
 def resolve_auto_precision(cfg, say) -> None:
@@ -111,7 +112,7 @@ def _check_same_target(record: dict | None, fingerprints: dict, checkpoint: Path
                               f"{saved}, this {part}'s {fingerprints[part]['fingerprint']}); use a new train.out_dir")
 
 
-def _train(cfg, config_dict, claimed, out_dir: Path, rank: int, world: int, say) -> dict:
+def _train(cfg, config_dict, claimed, out_dir: Path, rank: int, world: int, say, started: float) -> dict:
     from ..target.fingerprint import tokenizer_fingerprint
     from ..target.model import target_fingerprint
 
@@ -127,7 +128,7 @@ def _train(cfg, config_dict, claimed, out_dir: Path, rank: int, world: int, say)
 
         with read_write(cfg):
             cfg.data.max_samples = budgeted_samples(cfg, parts, training_samples(cfg, parts.tokenizer), out_dir,
-                                                    rank, say)
+                                                    rank, say, started)
     if cfg.data.features == "cached":
         samples = training_samples(cfg, parts.tokenizer)
         cache = feature_cache(cfg, samples, parts.target, parts.tokenizer, parts.layer_ids, out_dir, rank, world)

@@ -35,6 +35,10 @@ def test_fit_is_the_budget_arithmetic(tmp_path, tiny_target_dir, tiny_corpus):
     assert sum(fit.minutes.values()) == pytest.approx((fit.samples * per_sample + 8 + evaluation + 45) / 60)
     assert fit.wanted_minutes == pytest.approx((1000 * per_sample + 8 + evaluation + 45) / 60)
     assert "of 1000 samples fit" in fit.describe(10, 1000)
+    # what set-up already took (hot vocabulary, this measurement) comes out of the same budget
+    later = budget.fit(cfg, costs, tokens_per_sample=100, heldout_tokens=800, spent=160)
+    assert later.samples == int((600 - 160 - 8 - evaluation - budget.FIXED_S) / per_sample)
+    assert later.minutes["set-up so far"] == pytest.approx(160 / 60)
     # a generous budget keeps the configured data, never more
     roomy = _cfg(tmp_path, tiny_target_dir, tiny_corpus, "train.time_budget_min=10000", "data.max_samples=50")
     assert budget.fit(roomy, costs, 100, 800).samples == 50
