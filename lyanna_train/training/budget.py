@@ -18,9 +18,9 @@ from pathlib import Path
 
 import torch
 
+from ..atomic import read_json, write_json_atomic
 from ..data.batching import collate
 from ..data.features import FeatureExtractor, teacher_summary
-from ..atomic import read_json, write_json_atomic
 from ..errors import LyannaError
 from .step import distill_loss
 
@@ -37,7 +37,7 @@ class Costs:
 
     feature: float  # target forward + teacher summary, batched as the cache writer does
     train: float  # one pass of one token: draft forward over every unroll step, losses, backward
-    decode: float  # one single-token target forward after a cached prompt (evaluation decodes)
+    decode: float  # one single-token target forward (what each evaluation decoding step costs at least)
 
 
 @dataclass(frozen=True)
@@ -72,8 +72,7 @@ def measure(parts, samples: list, cfg) -> Costs:
     batch = collate(samples, parts.tokenizer.pad_token_id or 0)
     ids = batch["input_ids"]
     # per position computed, padding included: the run's batches are grouped by length and
-    # carry little padding, this one a few uneven samples (counting only real tokens made a
-    # Zen 1's training look 1.7x slower than it ran)
+    # carry little padding, this one a few uneven samples
     tokens = ids.numel()
     extractor = FeatureExtractor(parts.target, parts.layer_ids)
 
