@@ -22,7 +22,7 @@ from ..atomic import read_json, write_json_atomic
 from ..data.batching import collate
 from ..data.features import FeatureExtractor, teacher_summary
 from ..errors import LyannaError
-from .step import distill_loss
+from .step import distill_loss, step_autocast
 
 FIXED_S = 45.0  # loading the target, tokenizing, writing checkpoints and the export: measured ~30-60 s
 # The evaluation's chain decoding per new token, in single-token forwards: each iteration
@@ -88,9 +88,7 @@ def measure(parts, samples: list, cfg) -> Costs:
             "loss_mask": batch["loss_mask"], "valid": batch["attention_mask"],
             "teacher_top1": top1.view(ids.shape), "teacher_lse": lse.view(ids.shape)}
     draft = copy.deepcopy(parts.draft).train()
-    device_type = next(draft.parameters()).device.type
-    autocast = torch.autocast(device_type, dtype=getattr(torch, cfg.train.autocast or "float32"),
-                              enabled=cfg.train.autocast is not None)
+    autocast = step_autocast(draft, cfg.train.autocast)
 
     def train_step():
         with autocast:

@@ -17,7 +17,7 @@ from .config import validate
 from .engine import Engine, init_distributed
 from .heldout import AgreementSets, heldout_start
 from .setup import build_parts, feature_cache, online_samples, training_samples
-from .step import distill_loss
+from .step import distill_loss, step_autocast
 from .tracking import Tracker
 
 
@@ -202,9 +202,7 @@ def _train(cfg, config_dict, claimed, out_dir: Path, rank: int, world: int, say,
 
         bar = tqdm(total=total, initial=state["step"], unit="step", desc="training", dynamic_ncols=True)
     window: dict = {}
-    device_type = next(engine.module.parameters()).device.type
-    autocast = torch.autocast(device_type, dtype=getattr(torch, cfg.train.autocast or "float32"),
-                              enabled=cfg.train.autocast is not None)
+    autocast = step_autocast(engine.module, cfg.train.autocast)
     last_log, tokens_at_log = time.perf_counter(), state["tokens"]
     while state["step"] < total:
         plan = plan_epoch(lengths, cfg.data.batch_tokens, cfg.train.seed, state["epoch"], world, accum)[rank::world]

@@ -30,6 +30,13 @@ def teacher_logprobs(last: torch.Tensor, lm_weight: torch.Tensor, hot_ids: torch
     return logp.view(b, t, -1), usable.view(b, t)
 
 
+def step_autocast(model: torch.nn.Module, autocast: str | None):
+    """The context a training step runs under: ``train.autocast`` (None = off) on the
+    model's device; weights and optimizer stay fp32."""
+    device_type = next(model.parameters()).device.type
+    return torch.autocast(device_type, dtype=getattr(torch, autocast or "float32"), enabled=autocast is not None)
+
+
 def distill_loss(draft, batch: dict, lm_weight: torch.Tensor, loss_cfg) -> tuple[torch.Tensor, dict]:
     """batch: aux [B, T, 3Ht], last [B, T, Ht], input_ids / loss_mask / valid [B, T] ->
     (weighted loss, metrics as 0-d tensors; nothing is synced to the host here)."""
