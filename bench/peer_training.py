@@ -72,6 +72,10 @@ def train_peer(args, cfg, cache_root: Path, hot_file: Path, layer_ids, plan) -> 
            "--hot", str(hot_file), "--layers", ",".join(map(str, layer_ids)), "--out", str(head)]
     if cfg.train.threads:
         cmd += ["--threads", str(cfg.train.threads)]
+    # the run's own precision (its config holds ``auto`` resolved): fp32 where bf16 is only emulated
+    from lyanna_train.target.precision import resolve_autocast
+
+    cmd += ["--dtype", resolve_autocast(cfg.train.get("autocast")) or "float32"]
     start = time.perf_counter()
     subprocess.run(cmd, check=True, env=env)
     return head, (time.perf_counter() - start) / 60
