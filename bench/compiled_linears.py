@@ -12,8 +12,12 @@ Variants: ``stock`` (torch's own nn.Linear), ``forms`` (the measured small-batch
 as the CLIs set them up), ``compiled`` (``torch.compile`` with inductor's ``freezing``:
 weights folded as constants and prepacked for oneDNN/MKL; one graph per token count, the
 most it can do) and ``compiled_dynamic`` (the same with dynamic shapes: one graph for
-every count, what a runtime could ship). All run the same forward over a transformers
-``StaticCache`` (compile's cache), with the verify step's tree mask.
+every count, what a runtime could ship), and ``compiled_dynamic_unfrozen`` (one graph,
+without freezing: the only form inductor's on-disk FX graph cache keeps — frozen graphs hold
+oneDNN-packed weights, which it cannot pickle, so they compile again in every process). All
+run the same forward over a transformers ``StaticCache`` (compile's cache), with the verify
+step's tree mask. Each compiled variant reports its compile time and what the on-disk cache
+did (hit, miss, bypass): run the script twice to see a restart.
 """
 
 from __future__ import annotations
@@ -77,6 +81,17 @@ def _timer(model, forward, context: int, sizes, repeats: int):
     return time_n
 
 
+# variant -> (dynamic shapes, freezing)
+COMPILED = {"compiled": (False, True), "compiled_dynamic": (True, True), "compiled_dynamic_unfrozen": (True, False)}
+
+
+def _cache_events() -> dict:
+    """Inductor's FX graph cache counters so far in this process (hits, misses, bypasses)."""
+    from torch._dynamo.utils import counters
+
+    return {k.removeprefix("fxgraph_cache_"): v for k, v in counters["inductor"].items() if k.startswith("fxgraph_cache")}
+
+
 def build_variants(names, target, context: int, repeats: int, sizes, retune: bool = False) -> dict:
     import torch._dynamo
     import torch._inductor.config as inductor
@@ -85,7 +100,6 @@ def build_variants(names, target, context: int, repeats: int, sizes, retune: boo
 
     torch._dynamo.config.recompile_limit = 64  # a graph per token count and variant (one code object for all)
     torch._dynamo.config.accumulated_recompile_limit = 1024
-    inductor.freezing = True  # weights as constants: folded, and prepacked for the CPU GEMM (oneDNN / MKL)
     out = {}
     for name in names:
         model = copy.deepcopy(target)
@@ -95,14 +109,20 @@ def build_variants(names, target, context: int, repeats: int, sizes, retune: boo
         elif name == "forms":
             tune(model, retune=retune)  # as the CLIs do: the on-disk tuning when this machine has one
             forward = model.forward
-        elif name in ("compiled", "compiled_dynamic"):
-            forward = torch.compile(model.forward, dynamic=name == "compiled_dynamic")
+        elif name in COMPILED:
+            forward = torch.compile(model.forward, dynamic=COMPILED[name][0])
         else:
             raise SystemExit(f"unknown variant {name}")
+        before = _cache_events()
         timer = _timer(model, forward, context, sizes, repeats)
-        for n in sizes:  # compile (or warm) every size before any clock counts
-            timer(n)
-        print(f"{name}: set up and warmed in {time.perf_counter() - start:.0f} s", flush=True)
+        # compile (or warm) every size before any clock counts; freezing: weights as constants,
+        # folded and prepacked for the CPU GEMM (oneDNN / MKL); read when a graph is compiled
+        with inductor.patch(freezing=name in COMPILED and COMPILED[name][1]):
+            for n in sorted(set(sizes) | {4}):  # 4: the logits check below
+                timer(n)
+        events = {k: v - before.get(k, 0) for k, v in _cache_events().items() if v != before.get(k, 0)}
+        print(f"{name}: set up and warmed in {time.perf_counter() - start:.0f} s"
+              + (f" (FX graph cache: {events})" if events else ""), flush=True)
         out[name] = timer
     # every variant computes the same logits (a fast wrong graph would be no result)
     reference = out[names[0]].logits(4)

@@ -13,7 +13,9 @@ every optimizer and scheduler); its Trainer itself assumes a CUDA device. Shims,
 the CPU and all the library's own options: dense-mask SDPA attention instead of flex
 attention (``--draft-attn-impl sdpa``) and the eager loss instead of the Triton-fused one
 (``--loss-implementation eager``); the features are read from our cache and packed like
-its collate (document ids) into the same batches our trainer sees.
+its collate (document ids) into the same batches our trainer sees. With ``--dtype float32``
+(the run's precision on a CPU that only emulates bf16) torch's Muon also orthogonalises
+in fp32: it casts to bf16 itself, which there made a step take ~40 s, one core busy.
 
     python bench/peer_speculators.py --plan PLAN.json --cache DIR --verifier DIR --hot HOT.safetensors --out DIR
 """
@@ -47,6 +49,25 @@ def library_args(verifier: str, hot_path: str, layer_ids: list[int]) -> tuple[Na
     args.loss_implementation = "eager"  # shim: the fused loss is a Triton kernel (same loss, the library says)
     args.target_layer_ids = [i + 1 for i in layer_ids]  # its convention: the input of layer i
     return args, t2d, d2t
+
+
+def muon_in_fp32() -> None:
+    """torch's Muon runs its Newton–Schulz iteration in bf16 (a fixed cast); where bf16 is
+    emulated that dominates the step. The same iteration (same coefficients) in fp32."""
+    import torch.optim._muon as muon
+
+    def newton_schulz_fp32(grad, ns_coefficients, ns_steps, eps):
+        a, b, c = ns_coefficients
+        x = grad.float()
+        tall = x.size(0) > x.size(1)
+        x = x.T if tall else x
+        x = x / x.norm().clamp(min=eps)
+        for _ in range(ns_steps):
+            gram = x @ x.T
+            x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
+        return (x.T if tall else x).to(grad.dtype)
+
+    muon._zeropower_via_newtonschulz = newton_schulz_fp32
 
 
 def build_model(args, t2d, d2t):
@@ -121,6 +142,8 @@ def main() -> None:
     args, t2d, d2t = library_args(a.verifier, a.hot, [int(i) for i in a.layers.split(",")])
     if a.dtype:
         args.hidden_states_dtype = a.dtype
+        if a.dtype == "float32":
+            muon_in_fp32()
     torch.manual_seed(args.seed)
     model = build_model(args, t2d, d2t).train()
     train_kwargs, _ = Eagle3DraftModel.get_trainer_kwargs(**vars(args))

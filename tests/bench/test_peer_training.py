@@ -43,3 +43,31 @@ def test_the_peer_replays_the_runs_batches_and_is_served_here(tmp_path, tiny_tar
     imported = json.loads((tmp_path / "peer" / "peer" / "export" / "manifest.json").read_text())
     assert imported["imported"]["layout"] == "speculators"
     assert "| speculators EAGLE-3 defaults |" in proc.stdout
+
+
+def test_the_peers_fp32_muon_is_torchs_iteration_without_the_bf16_cast():
+    """On a CPU without native bf16 the peer orthogonalises in fp32: the same Newton–Schulz
+    iteration as torch's Muon (which casts to bf16), so they agree to bf16's rounding."""
+    import importlib.util
+
+    import torch
+    import torch.optim._muon as muon
+
+    spec = importlib.util.spec_from_file_location("peer_speculators", BENCH.with_name("peer_speculators.py"))
+    peer = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(peer)
+    torchs = muon._zeropower_via_newtonschulz
+    coefficients = (muon.DEFAULT_A, muon.DEFAULT_B, muon.DEFAULT_C)
+    try:
+        peer.muon_in_fp32()
+        ours = muon._zeropower_via_newtonschulz
+        assert ours is not torchs
+        for shape in ((300, 64), (64, 300)):  # tall and wide: the transposed branch too
+            grad = torch.randn(*shape, generator=torch.Generator().manual_seed(0))
+            got, want = ours(grad, coefficients, 5, 1e-7), torchs(grad, coefficients, 5, 1e-7).float()
+            assert got.dtype == torch.float32 and got.shape == grad.shape
+            assert torch.allclose(got, want, atol=0.05 * want.abs().max().item())
+            assert torch.nn.functional.cosine_similarity(got.flatten(), want.flatten(), 0) > 0.999
+            assert not torch.allclose(got, grad / grad.norm(), atol=1e-3)  # it did iterate
+    finally:
+        muon._zeropower_via_newtonschulz = torchs
