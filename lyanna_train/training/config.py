@@ -75,6 +75,7 @@ class LossConf:
     hidden_weight: float = 0.0  # weight of the smooth-L1 regression toward the target's next state
     tv_weight: float = 0.0  # weight of the total-variation distance to the teacher (1 - TV bounds acceptance)
     positions: str = "assistant"  # which positions are trained: assistant (what is served) or all (user turns too)
+    feature_noise: float = 0.0  # Gaussian noise on the target features, x each dimension's RMS (EAGLE's data noise)
 
 
 @dataclass

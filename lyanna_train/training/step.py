@@ -37,6 +37,15 @@ def step_autocast(model: torch.nn.Module, autocast: str | None):
     return torch.autocast(device_type, dtype=getattr(torch, autocast or "float32"), enabled=autocast is not None)
 
 
+def noisy_features(aux: torch.Tensor, valid: torch.Tensor, scale: float) -> torch.Tensor:
+    """aux plus Gaussian noise of ``scale`` x each dimension's RMS: EAGLE's data noise, so the
+    head cannot memorise exact feature vectors (the CPU recipe sees each sample ~6 times).
+    First positions (attention sinks, activations far above the rest) stay out of the RMS."""
+    body = aux[:, 1:][valid[:, 1:]]
+    rms = body.pow(2).mean(0).sqrt() if len(body) else aux.new_ones(aux.shape[-1])
+    return aux + scale * rms * torch.randn_like(aux)
+
+
 def distill_loss(draft, batch: dict, lm_weight: torch.Tensor, loss_cfg) -> tuple[torch.Tensor, dict]:
     """batch: aux [B, T, 3Ht], last [B, T, Ht], input_ids / loss_mask / valid [B, T] ->
     (weighted loss, metrics as 0-d tensors; nothing is synced to the host here)."""
@@ -44,6 +53,8 @@ def distill_loss(draft, batch: dict, lm_weight: torch.Tensor, loss_cfg) -> tuple
     ids, loss_mask, valid = batch["input_ids"], batch["loss_mask"], batch["valid"]
     if loss_cfg.positions == "all":  # user turns too: more signal from the same target forwards
         loss_mask = valid
+    if loss_cfg.feature_noise > 0:
+        aux = noisy_features(aux, valid, loss_cfg.feature_noise)
     t = ids.shape[1]
     steps = min(loss_cfg.ttt_steps, max(t - 2, 1))
     outs = draft.forward_unrolled(aux, ids, steps, valid)

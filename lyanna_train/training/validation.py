@@ -138,6 +138,7 @@ RULES: dict[str, Rule] = {
     "loss.hidden_weight": number(0),
     "loss.tv_weight": number(0),
     "loss.positions": one_of("assistant", "all"),
+    "loss.feature_noise": number(0),
     "train.out_dir": text(),
     "train.epochs": integer(1),
     "train.max_steps": optional(integer(1)),

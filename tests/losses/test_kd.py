@@ -101,3 +101,18 @@ def test_the_summary_of_a_bf16_lm_head_is_close_to_fp32():
     gap = logits.topk(2).values.diff(dim=-1).abs().squeeze(-1)
     clear = gap > 0.5
     assert bool(clear.any()) and torch.equal(top1_bf[clear], top1[clear])
+
+
+def test_feature_noise_is_scaled_to_each_dimensions_rms_without_the_first_position():
+    from lyanna_train.training.step import noisy_features
+
+    torch.manual_seed(0)
+    rms = torch.tensor([1.0, 100.0, 0.01])
+    aux = torch.randn(4, 2000, 3) * rms
+    aux[:, 0] = 1e4  # attention sinks: outsized, and left out of the RMS
+    valid = torch.ones(4, 2000, dtype=torch.bool)
+    valid[1, 1500:] = False
+    noise = noisy_features(aux, valid, 0.1) - aux
+    body = aux[:, 1:][valid[:, 1:]]
+    torch.testing.assert_close(noise.std(dim=(0, 1)), 0.1 * body.pow(2).mean(0).sqrt(), rtol=0.02, atol=0)
+    assert torch.equal(noisy_features(aux, valid, 0.0), aux)

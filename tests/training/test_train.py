@@ -164,13 +164,13 @@ def test_unknown_autocast_dtype_is_one_line(tmp_path, tiny_target_dir, tiny_corp
 @pytest.mark.slow  # a full train() run
 def test_heldout_agreement_and_the_issue_11_levers_in_a_run(tmp_path, tiny_target_dir, tiny_corpus):
     """Samples after the training range are cached apart and scored teacher-forced; the
-    initialisation from the target, TV loss and all-position training run end to end."""
+    initialisation from the target, TV loss, all-position training and feature noise run end to end."""
     out = tmp_path / "levers"
     result = train(compose(tiny_overrides(
         tiny_target_dir, tiny_corpus, out, *TINY, "train.max_steps=2", "eval.num_prompts=0", "data.max_samples=18",
         "eval.heldout_samples=6", "eval.agreement_steps=2", "draft.target_init.lm_head=true",
         "draft.target_init.layer=3", "draft.target_init.fc=top_layer", "draft.freeze_lm_head=true",
-        "loss.tv_weight=0.5", "loss.positions=all")))
+        "loss.tv_weight=0.5", "loss.positions=all", "loss.feature_noise=0.2")))
     held = json.loads((out / "features-heldout" / "manifest.json").read_text())
     train_cache = json.loads((out / "features" / "manifest.json").read_text())
     assert held["totals"]["samples"] == 6 and held["source"]["heldout_from"] == 18
