@@ -92,11 +92,9 @@ def _expand(draft: DraftHead, state: BatchDraftState, rows: slice, roots: torch.
 def _pool_fuse_rows(draft: DraftHead, state: BatchDraftState, rows: slice, current: torch.Tensor,
                     anchors: torch.Tensor) -> torch.Tensor:
     """current [R, N, H] -> fused [R, N, H]: each node against its own row's pool, in the
-    window of the row's anchor (one kernel call for all nodes on a GPU)."""
+    window of the row's anchor (one kernel call for all nodes on a GPU; each row's pool read in place)."""
     pool, gate = state.pool.rows(rows), draft.gate
-    n_rows, n, h = current.shape
-    allowed = pool.window(anchors[:, None])  # [R, 1, S]
-    fused, _, _, _ = pool_fusion(current.reshape(-1, h), pool.states[:, None].expand(-1, n, -1, -1).reshape(
-        n_rows * n, -1, h), allowed.expand(-1, n, -1).reshape(n_rows * n, -1), draft.cfg.pool_threshold,
-        gate.proj.weight, gate.proj.bias, gate.out.weight, gate.out.bias, gate.alpha_max)
-    return fused.view(n_rows, n, h)
+    allowed = pool.window(anchors[:, None])[:, 0]  # [R, S]
+    fused, _, _, _ = pool_fusion(current, pool.states, allowed, draft.cfg.pool_threshold, gate.proj.weight,
+                                 gate.proj.bias, gate.out.weight, gate.out.bias, gate.alpha_max)
+    return fused

@@ -32,7 +32,7 @@ from ..atomic import write_json_atomic
 from ..models.draft_head import DraftHead
 from .cost import VerifyCost
 from .draft_step import DraftState, draft_extend
-from .small_linear import FORMS, MAX_ROWS, release_unused_packing, small_batch_forms, use_small_batch_linears
+from .small_linear import FORMS, MAX_ROWS, settle_packing, small_batch_forms, use_small_batch_linears
 from .target_step import crop_cache, target_forward
 
 SIZES = tuple(range(1, 17)) + (20, 24, 28, 32, 48, 64)  # target tokens per verify forward
@@ -193,5 +193,5 @@ def tune(target, draft: DraftHead | None = None, *, linear_forms: bool = True, c
             write_json_atomic(path, stored)
     for model in (target, draft):
         if model is not None and small_batch_forms(model) is not None:
-            release_unused_packing(model)
+            settle_packing(model)
     return VerifyCost(SIZES, stored["seconds"])

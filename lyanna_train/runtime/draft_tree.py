@@ -59,12 +59,11 @@ def score_top(draft: DraftHead, fused: torch.Tensor, k: int) -> tuple[torch.Tens
 def pool_fuse_serving(draft: DraftHead, state: DraftState, current: torch.Tensor) -> torch.Tensor:
     """current [N, H] (tree nodes of one sequence, all drafting from the anchor) -> fused
     [N, H]: retrieval from the anchor's pool window and α-fusion in one kernel on a GPU."""
-    pool, gate, n = state.pool, draft.gate, current.shape[0]
+    pool, gate = state.pool, draft.gate
     allowed = pool.window(torch.full((1, 1), state.anchor_pos, device=current.device))[:, 0]  # [1, S]
-    fused, _, _, _ = pool_fusion(current, pool.states.expand(n, -1, -1), allowed.expand(n, -1),
-                                 draft.cfg.pool_threshold, gate.proj.weight, gate.proj.bias, gate.out.weight,
-                                 gate.out.bias, gate.alpha_max)
-    return fused
+    fused, _, _, _ = pool_fusion(current[None], pool.states, allowed, draft.cfg.pool_threshold, gate.proj.weight,
+                                 gate.proj.bias, gate.out.weight, gate.out.bias, gate.alpha_max)
+    return fused[0]
 
 
 def _expand(draft: DraftHead, state: DraftState, parent_states: torch.Tensor, tokens: list[int], depths: list[int],

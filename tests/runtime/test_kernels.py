@@ -153,6 +153,46 @@ def test_triton_pool_fusion_matches_reference(b, s, h, width, threshold, case, d
         assert (alpha == 0).all() and torch.equal(fused, current)
 
 
+def tree_level_inputs(b, q, s, h, dtype):
+    """Q queries per sequence (a tree level's nodes), some near one of their pool's slots."""
+    current, pool, allowed = pool_inputs(b, s, h, torch.float32, "hit", seed=5)
+    g = torch.Generator().manual_seed(6)
+    queries = current[:, None] + torch.randn(b, q, h, generator=g) * torch.tensor([0.05] + [3.0] * (q - 1))[:, None]
+    return queries.to(dtype), pool.to(dtype), allowed
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_pool_fusion_reference_with_queries_per_sequence_is_one_query_at_a_time(dtype):
+    """[B, Q, H] against each sequence's pool read once = every query alone against its
+    sequence's pool (the old call, which copied the pool once per query)."""
+    b, q, s, h = 3, 4, 60, 48
+    current, pool, allowed = tree_level_inputs(b, q, s, h, dtype)
+    gate = gate_weights(h, 16, dtype)
+    got = pool_fusion_reference(current, pool, allowed, 0.85, *gate, 0.3)
+    alone = pool_fusion_reference(current.reshape(b * q, h), pool.repeat_interleave(q, 0),
+                                  allowed.repeat_interleave(q, 0), 0.85, *gate, 0.3)
+    assert got[0].shape == (b, q, h) and all(t.shape == (b, q) for t in got[1:])
+    for g, a in zip(got, alone):
+        torch.testing.assert_close(g, a.reshape(g.shape), rtol=1e-5, atol=1e-5 if dtype == torch.float32 else 2e-2)
+    assert (got[1][:, 0] > 0).all() and (got[1][:, 1:] == 0).any()  # the near query hits; far ones miss
+
+
+@interpreted
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_triton_pool_fusion_with_queries_per_sequence_matches_reference(dtype):
+    b, q, s, h = 3, 5, 70, 72
+    current, pool, allowed = tree_level_inputs(b, q, s, h, dtype)
+    allowed[1] = False  # a sequence whose window holds nothing yet
+    gate = gate_weights(h, 24, dtype)
+    fused, alpha, sim, index = pool_fusion(current, pool, allowed, 0.85, *gate, 0.3, backend="triton")
+    ref = pool_fusion_reference(current, pool, allowed, 0.85, *gate, 0.3)
+    rtol, atol = FUSED_TOL[dtype]
+    torch.testing.assert_close(fused, ref[0], rtol=rtol, atol=atol)
+    torch.testing.assert_close(alpha, ref[1], rtol=0, atol=ALPHA_TOL[dtype])
+    torch.testing.assert_close(sim, ref[2], rtol=1e-5, atol=1e-5)
+    assert torch.equal(index, ref[3]) and (index[1] == -1).all() and (alpha[0, 0] > 0)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_pool_fusion_reference_is_model_code(dtype):
     """The reference equals ``best_match`` + ``DraftHead.pool_fuse`` (AlphaGate + fuse) exactly."""

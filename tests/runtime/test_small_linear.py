@@ -13,7 +13,7 @@ from lyanna_train.runtime import decode
 from lyanna_train.runtime.cpu_tuning import tune
 from lyanna_train.runtime.decode import DecodeSettings, LookupSettings
 from lyanna_train.runtime.draft_tree import TreeShape
-from lyanna_train.runtime.small_linear import (FORMS, MAX_ROWS, PACKED, SmallBatchLinear, release_unused_packing,
+from lyanna_train.runtime.small_linear import (FORMS, MAX_ROWS, PACKED, SmallBatchLinear, settle_packing,
                                                small_batch_forms, use_small_batch_linears)
 
 from .conftest import LAYER_IDS, drafted_tokens, greedy_reference
@@ -78,11 +78,13 @@ def test_decoding_through_measured_linears_is_lossless(tiny_target, tiny_fitted,
 
 
 @pytest.mark.skipif("onednn_packed" not in FORMS, reason="torch built without oneDNN")
-def test_packed_weights_follow_the_weight_and_are_released():
+def test_packed_weights_follow_the_weight_are_made_up_front_and_released():
     torch.manual_seed(0)
     layer = torch.nn.Sequential(torch.nn.Linear(16, 8))
     forms = use_small_batch_linears(layer)
     forms[2] = ("onednn_packed", 2)
+    settle_packing(layer)  # packed before the first forward that needs it
+    assert PACKED in vars(layer[0])
     x = torch.randn(2, 16)
     with torch.inference_mode():
         torch.testing.assert_close(layer(x), F.linear(x, layer[0].weight, layer[0].bias), rtol=1e-5, atol=1e-5)
@@ -90,12 +92,12 @@ def test_packed_weights_follow_the_weight_and_are_released():
         layer[0].weight.mul_(2)  # an in-place change re-packs
     with torch.inference_mode():
         torch.testing.assert_close(layer(x), F.linear(x, layer[0].weight, layer[0].bias), rtol=1e-5, atol=1e-5)
-    release_unused_packing(layer)
+    settle_packing(layer)
     assert PACKED in vars(layer[0])  # still chosen for 2 rows: kept
     twin = copy.deepcopy(layer)  # the opaque packed copy is not copied (it could not be), but re-made
     assert PACKED not in vars(twin[0]) and twin[0].state_dict().keys() == {"weight", "bias"}
     with torch.inference_mode():
         torch.testing.assert_close(twin(x), layer(x), rtol=0, atol=0)
     forms[2] = ("linear", 2)
-    release_unused_packing(layer)
+    settle_packing(layer)
     assert PACKED not in vars(layer[0])

@@ -102,10 +102,11 @@ def pool_fusion(current: torch.Tensor, pool: torch.Tensor, allowed: torch.Tensor
                 out_bias: torch.Tensor, alpha_max: float, *, backend: str = "auto"):
     """Retrieve each sequence's most similar allowed pooled state and α-fuse it (serving).
 
-    current [B, H], pool [B, S, H], allowed [B, S] bool (from the pool's positions), the
+    current [B, H] or [B, Q, H] (Q queries of sequence b: the nodes of its tree level, one
+    pool and window), pool [B, S, H], allowed [B, S] bool (from the pool's positions), the
     AlphaGate's proj [W, 2H+1] + [W] and out [1, W] + [1] ->
-    (fused [B, H], alpha [B] fp32 (0 below ``threshold``), similarity [B] fp32 (-inf where
-    nothing is allowed), index [B] int64 slot (-1 where nothing is allowed))."""
+    (fused like current, alpha fp32 (0 below ``threshold``), similarity fp32 (-inf where
+    nothing is allowed), index int64 slot (-1 where nothing is allowed); each [B] or [B, Q])."""
     args = (current, pool, allowed, threshold, proj_weight, proj_bias, out_weight, out_bias, alpha_max)
     if use_triton(backend, current, pool, allowed, proj_weight, proj_bias, out_weight, out_bias):
         return pool_fusion_triton(*args)

@@ -1,8 +1,11 @@
-"""State-pool retrieval fused with the α-gate, for serving (one query per sequence).
+"""State-pool retrieval fused with the α-gate, for serving (Q queries per sequence).
 
-At serving time each sequence asks its pool once per draft step: the most similar
-allowed state, the α-gate on it and the fusion. The Triton kernel does all of it in one
-program per sequence, reading the pool once and never writing the [B, S] similarities.
+At serving time each sequence asks its pool once per drafted node: the most similar
+allowed state, the α-gate on it and the fusion. Every node of a sequence's tree level
+drafts from the same anchor, so they share its pool and window: ``current`` holds Q
+queries per sequence and the pool is read in place, never copied once per query (on CPU
+that copy cost more than the retrieval itself). The Triton kernel does all of it in one
+program per query, never writing the [B, Q, S] similarities.
 :func:`pool_fusion_reference` is the specification and the CPU fallback: it computes
 what ``best_match`` (``models/state_pool.py``) then ``DraftHead.pool_fuse`` (``AlphaGate``
 + ``fuse``) compute, from plain weight tensors so the runtime needs no nn.Module.
@@ -22,20 +25,24 @@ _NORM_EPS = 1e-12  # F.normalize
 def pool_fusion_reference(current: torch.Tensor, pool: torch.Tensor, allowed: torch.Tensor, threshold: float,
                           proj_weight: torch.Tensor, proj_bias: torch.Tensor, out_weight: torch.Tensor,
                           out_bias: torch.Tensor, alpha_max: float):
-    """current [B, H], pool [B, S, H], allowed [B, S] bool, proj [W, 2H+1] + [W], out [1, W] + [1] ->
-    (fused [B, H] in current's dtype, alpha [B] fp32, similarity [B] fp32 (-inf where no slot is
-    allowed), index [B] int64 (-1 where no slot is allowed))."""
-    sims = F.normalize(current.float(), dim=-1)[:, None] @ F.normalize(pool.float(), dim=-1).transpose(1, 2)
-    sims = sims[:, 0].masked_fill(~allowed, float("-inf"))
+    """current [B, H] or [B, Q, H] (Q queries sharing sequence b's pool and window), pool
+    [B, S, H], allowed [B, S] bool, proj [W, 2H+1] + [W], out [1, W] + [1] -> (fused like
+    current, in its dtype; alpha, similarity (-inf where no slot is allowed) fp32 and index
+    int64 (-1 where no slot is allowed), each [B] or [B, Q])."""
+    single = current.dim() == 2
+    queries = current[:, None] if single else current
+    sims = F.normalize(queries.float(), dim=-1) @ F.normalize(pool.float(), dim=-1).transpose(1, 2)  # [B, Q, S]
+    sims = sims.masked_fill(~allowed[:, None], float("-inf"))
     best, index = sims.max(dim=-1)
-    retrieved = torch.gather(pool, 1, index[:, None, None].expand(-1, -1, pool.shape[-1]))[:, 0]
+    retrieved = torch.gather(pool, 1, index[..., None].expand(-1, -1, pool.shape[-1]))
     hit = best >= threshold
-    x = torch.cat([_rms(current), _rms(retrieved), best.clamp(min=-1.0)[:, None].to(current.dtype)], dim=-1)
+    x = torch.cat([_rms(queries), _rms(retrieved), best.clamp(min=-1.0)[..., None].to(queries.dtype)], dim=-1)
     gate = F.linear(F.silu(F.linear(x, proj_weight, proj_bias)), out_weight, out_bias)
     alpha = alpha_max * torch.sigmoid(gate).squeeze(-1) * hit
-    a = alpha[:, None].to(current.dtype)
-    fused = a * retrieved + (1 - a) * current
-    return fused, alpha.float(), best, index.masked_fill(best == float("-inf"), -1)
+    a = alpha[..., None].to(queries.dtype)
+    fused = a * retrieved + (1 - a) * queries
+    out = fused, alpha.float(), best, index.masked_fill(best == float("-inf"), -1)
+    return tuple(t[:, 0] for t in out) if single else out
 
 
 def _rms(x: torch.Tensor) -> torch.Tensor:
@@ -44,10 +51,10 @@ def _rms(x: torch.Tensor) -> torch.Tensor:
 
 def _pool_fusion_kernel(cur_ptr, pool_ptr, ok_ptr, pw_ptr, pb_ptr, ow_ptr, ob_ptr,
                         fused_ptr, alpha_ptr, sim_ptr, idx_ptr,
-                        S, H, W, threshold, alpha_max,
-                        stride_cb, stride_pb, stride_ps, stride_ob, stride_pw, stride_fb,
+                        Q, S, H, W, threshold, alpha_max,
+                        stride_cb, stride_cq, stride_pb, stride_ps, stride_ob, stride_pw, stride_fb, stride_fq,
                         BLOCK_S: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_W: tl.constexpr):
-    # For sequence b with query c = cur[b] and pool P = pool[b] (slots s with ok[b, s]):
+    # One program per query: query q of sequence b, c = cur[b, q], pool P = pool[b] (slots s with ok[b, s]):
     #   sim_s = <c, P_s> / (max(|c|, 1e-12) · max(|P_s|, 1e-12)),  i = argmax_s sim_s (first on ties),
     #   sim = sim_i (-inf and i = -1 if no slot is allowed),  r = P_i,
     #   rms(x) = x · rsqrt(mean(x²) + 1e-6),
@@ -56,8 +63,10 @@ def _pool_fusion_kernel(cur_ptr, pool_ptr, ok_ptr, pw_ptr, pb_ptr, ow_ptr, ob_pt
     #   fused = α · r + (1 − α) · c.
     # The pool is scanned block by block with a per-lane running max; the gate's matvec
     # factors the rms scales out: Wp[:, :H] · rms(c) = rsqrt(mean(c²) + 1e-6) · (Wp[:, :H] · c).
-    b = tl.program_id(0).to(tl.int64)  # b · stride_pb can pass 2³¹
-    cur = cur_ptr + b * stride_cb
+    pid = tl.program_id(0).to(tl.int64)  # b · stride_pb can pass 2³¹
+    b = pid // Q
+    q = pid % Q
+    cur = cur_ptr + b * stride_cb + q * stride_cq
     base = pool_ptr + b * stride_pb
 
     cc = tl.zeros([BLOCK_H], dtype=tl.float32)
@@ -123,10 +132,10 @@ def _pool_fusion_kernel(cur_ptr, pool_ptr, ok_ptr, pw_ptr, pb_ptr, ow_ptr, ob_pt
         c = tl.load(cur + hh, mask=h_ok, other=0.0).to(tl.float32)
         r = tl.load(ret + hh, mask=h_ok, other=0.0).to(tl.float32)
         f = alpha * r + (1.0 - alpha) * c
-        tl.store(fused_ptr + b * stride_fb + hh, f.to(fused_ptr.dtype.element_ty), mask=h_ok)
-    tl.store(alpha_ptr + b, alpha)
-    tl.store(sim_ptr + b, sim)
-    tl.store(idx_ptr + b, index.to(tl.int64))
+        tl.store(fused_ptr + b * stride_fb + q * stride_fq + hh, f.to(fused_ptr.dtype.element_ty), mask=h_ok)
+    tl.store(alpha_ptr + pid, alpha)  # [B, Q] outputs, contiguous
+    tl.store(sim_ptr + pid, sim)
+    tl.store(idx_ptr + pid, index.to(tl.int64))
 
 
 def _rowmajor(x: torch.Tensor) -> torch.Tensor:
@@ -144,23 +153,29 @@ def pool_fusion_triton(current: torch.Tensor, pool: torch.Tensor, allowed: torch
 
     kernel, _ = lazy_jit(_pool_fusion_kernel)
     b, s, h = pool.shape
+    single = current.dim() == 2
+    queries = current[:, None] if single else current
     width = proj_weight.shape[0]
-    if current.shape != (b, h) or allowed.shape != (b, s) or proj_weight.shape != (width, 2 * h + 1):
+    if queries.dim() != 3 or queries.shape[0] != b or queries.shape[2] != h or allowed.shape != (b, s) \
+            or proj_weight.shape != (width, 2 * h + 1):
         raise ValueError(f"shapes: current {tuple(current.shape)}, pool {tuple(pool.shape)}, "
                          f"allowed {tuple(allowed.shape)}, proj {tuple(proj_weight.shape)}")
     if s == 0:
         raise ValueError("the pool has no slots")
-    current, pool, proj_weight = _rowmajor(current), _rowmajor(pool), _rowmajor(proj_weight)
+    queries, pool, proj_weight = _rowmajor(queries), _rowmajor(pool), _rowmajor(proj_weight)
     ok = _rowmajor(allowed).view(torch.uint8)
-    fused = torch.empty_like(current)
-    alpha = torch.empty(b, dtype=torch.float32, device=current.device)
-    sim = torch.empty(b, dtype=torch.float32, device=current.device)
-    index = torch.empty(b, dtype=torch.int64, device=current.device)
-    if b:
-        kernel[(b,)](current, pool, ok, proj_weight, proj_bias.contiguous(), out_weight.reshape(-1).contiguous(),
-                     out_bias, fused, alpha, sim, index, s, h, width, float(threshold), float(alpha_max),
-                     current.stride(0), pool.stride(0), pool.stride(1), ok.stride(0), proj_weight.stride(0),
-                     fused.stride(0), BLOCK_S=min(block_s, max(16, triton.next_power_of_2(s))),
-                     BLOCK_H=min(block_h, max(16, triton.next_power_of_2(h))),
-                     BLOCK_W=max(16, triton.next_power_of_2(width)))
-    return fused, alpha, sim, index
+    n = queries.shape[1]
+    fused = torch.empty(b, n, h, dtype=queries.dtype, device=queries.device)
+    alpha = torch.empty(b, n, dtype=torch.float32, device=queries.device)
+    sim = torch.empty(b, n, dtype=torch.float32, device=queries.device)
+    index = torch.empty(b, n, dtype=torch.int64, device=queries.device)
+    if b * n:
+        kernel[(b * n,)](queries, pool, ok, proj_weight, proj_bias.contiguous(), out_weight.reshape(-1).contiguous(),
+                         out_bias, fused, alpha, sim, index, n, s, h, width, float(threshold), float(alpha_max),
+                         queries.stride(0), queries.stride(1), pool.stride(0), pool.stride(1), ok.stride(0),
+                         proj_weight.stride(0), fused.stride(0), fused.stride(1),
+                         BLOCK_S=min(block_s, max(16, triton.next_power_of_2(s))),
+                         BLOCK_H=min(block_h, max(16, triton.next_power_of_2(h))),
+                         BLOCK_W=max(16, triton.next_power_of_2(width)))
+    out = fused, alpha, sim, index
+    return tuple(t[:, 0] for t in out) if single else out
