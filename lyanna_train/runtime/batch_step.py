@@ -61,6 +61,38 @@ class Row:
         self.length = end
 
 
+@dataclass
+class DraftBackoff:
+    """Stop drafting while it does not pay. Under ``verify: auto`` a fused forward over many
+    rows can price every extra token above what the head's candidates are worth (on 2 CPU
+    cores at batch 8 the fitted width was 1 in every iteration): the draft tree is then pure
+    overhead. After a verify that took nothing but the roots of drafted trees, the next
+    ``wait`` iterations propose without the draft tree (lookup and pool candidates still
+    come: they are free), then it drafts again; ``wait`` doubles up to ``most`` while drafting
+    keeps not paying and drops to 0 once it does. The draft's step 0 over accepted tokens
+    runs every iteration regardless, so its caches are current whenever it drafts again."""
+
+    most: int  # 0: draft every iteration
+    wait: int = 0
+    skip: int = 0  # iterations left without the draft tree
+    drafted: bool = False  # whether the trees being verified hold draft candidates
+
+    def draft_now(self) -> bool:
+        self.drafted = self.skip == 0
+        self.skip = max(self.skip - 1, 0)
+        return self.drafted
+
+    def observe(self, fitted: list[TokenTree]) -> None:
+        """After fitting drafted trees to the verify budget: did any row verify a candidate?"""
+        if not self.drafted or not fitted:
+            return
+        if max(len(tree) for tree in fitted) > 1:
+            self.wait = 0
+        elif self.most:
+            self.wait = min(max(1, 2 * self.wait), self.most)
+            self.skip = self.wait
+
+
 @dataclass(eq=False)
 class Batch:
     """The models and caches every row shares; row i of ``rows`` lives in slot i."""
@@ -74,6 +106,7 @@ class Batch:
     cost: VerifyCost
     max_positions: int | None  # the target's context (None: unbounded)
     rows: list[Row] = field(default_factory=list)
+    backoff: DraftBackoff = field(default_factory=lambda: DraftBackoff(0))
 
 
 def _next_token(logits: torch.Tensor, row: Row) -> int:
@@ -102,11 +135,12 @@ def prefill_row(batch: Batch, slot: int, row: Row) -> int:
 
 
 def propose_rows(batch: Batch, rows: slice) -> list[TokenTree]:
-    """Every row's candidates, as a tree below its last accepted token."""
+    """Every row's candidates, as a tree below its last accepted token (the draft's part
+    unless :class:`DraftBackoff` says it has not been paying)."""
     active = batch.rows[rows]
     trees = [TokenTree.rooted_at(row.last_token) for row in active]
     settings, draft = batch.settings, batch.draft
-    if draft is not None:
+    if draft is not None and batch.backoff.draft_now():
         drafted = draft_trees(draft, batch.draft_state, rows, trees, settings.tree)
         for row, tree, nodes in zip(active, trees, drafted):
             row.estimates.calibrate_draft(tree, nodes)

@@ -53,10 +53,15 @@ class FusionSettings:
 
     micro_batches: int = 1  # 1: verify every running row every iteration; k > 1: hold until k blocks are drafted
     shallow_first: bool = False  # under the fused token budget, admit nodes by depth before probability
+    # after a fused verify that takes no candidate at all, skip the draft tree for 1, 2, 4 ...
+    # iterations, at most this many (0: draft every iteration): :class:`.batch_step.DraftBackoff`
+    draft_backoff: int = 8
 
     def __post_init__(self):
         if self.micro_batches < 1:
             raise ValueError(f"micro_batches must be at least 1, got {self.micro_batches}")
+        if self.draft_backoff < 0:
+            raise ValueError(f"draft_backoff must be 0 or more, got {self.draft_backoff}")
 
 
 @dataclass(frozen=True)

@@ -33,7 +33,7 @@ import torch
 
 from ..models.draft_head import DraftHead
 from .batch_draft_step import BatchDraftState
-from .batch_step import Batch, Row, accept_rows, fit_trees, prefill_row, propose_rows, verify_rows
+from .batch_step import Batch, DraftBackoff, Row, accept_rows, fit_trees, prefill_row, propose_rows, verify_rows
 from .cost import VerifyCost
 from .decode import DecodeSettings, FusionSettings, cut, stop_ids  # FusionSettings: re-exported
 from .ragged_cache import RaggedCache
@@ -70,11 +70,12 @@ class BatchDecoder:
         if max_batch < 1:
             raise ValueError(f"max_batch must be at least 1, got {max_batch}")
         capture = draft_capture(target, draft, layer_ids)
+        self.max_batch, self.fusion = max_batch, fusion or settings.fusion
         self.batch = Batch(target, draft, capture, RaggedCache.for_model(target, max_batch),
                            BatchDraftState(draft, max_batch) if draft is not None else None, settings,
                            cost if settings.verify == "auto" and cost is not None else VerifyCost.flat(),
-                           getattr(target.config, "max_position_embeddings", None))
-        self.max_batch, self.fusion = max_batch, fusion or settings.fusion
+                           getattr(target.config, "max_position_embeddings", None),
+                           backoff=DraftBackoff(self.fusion.draft_backoff))
         self.eos = frozenset(stop_ids(target, eos_ids))
         self.waiting: deque[Request] = deque()
         self._refused: list[Request] = []  # failed at submit, reported by the next step
@@ -158,6 +159,7 @@ class BatchDecoder:
     def _verify(self, rows: slice, trees: list[TokenTree], updates: list[Update]) -> None:
         active = self.rows[rows]
         trees = fit_trees(self.batch, active, trees, self.fusion.shallow_first)
+        self.batch.backoff.observe(trees)
         logits, aux = verify_rows(self.batch, rows, trees)
         news = accept_rows(self.batch, rows, trees, logits, aux)
         for row, tree, new in zip(active, trees, news):

@@ -14,6 +14,7 @@ from lyanna_train.runtime.decode import DecodeSettings, LookupSettings
 from lyanna_train.runtime.draft_tree import TreeShape
 from lyanna_train.runtime.requests import Status
 from lyanna_train.runtime.scheduler import BatchDecoder, FusionSettings, generate_batch
+from lyanna_train.runtime.tree import TokenTree
 
 from .conftest import LAYER_IDS, V, add_oracle_chain, greedy_reference, make_draft
 
@@ -274,3 +275,38 @@ def test_a_request_cancelled_mid_hold_cycle_frees_its_slot_after_the_cycle(tiny_
     assert victim.tokens == references[1][:seen]
     assert [requests[i].tokens for i in (0, 2, 3)] == [references[i] for i in (0, 2, 3)]
     assert decoder.batch.cache.lengths == [0, 0, 0]
+
+
+def test_draft_backoff_waits_longer_while_drafting_does_not_pay():
+    root_only, verified = [TokenTree.rooted_at(1)], [TokenTree.rooted_at(1)]
+    verified[0].add(0, 2, 0.5)
+    backoff, pattern = batch_step.DraftBackoff(most=4), []
+    for fitted in [root_only] * 5 + [verified, root_only]:
+        while not backoff.draft_now():  # iterations proposing without the draft tree
+            pattern.append(0)
+        pattern.append(1)
+        backoff.observe(fitted)
+    assert pattern == [1, 0, 1, 0, 0, 1, 0, 0, 0, 0, 1, 0, 0, 0, 0, 1, 0, 0, 0, 0, 1, 1]
+    never = batch_step.DraftBackoff(most=0)
+    never.draft_now()
+    never.observe(root_only)
+    assert all(never.draft_now() for _ in range(3))
+
+
+def test_drafting_backs_off_where_no_candidate_can_pay_and_stays_lossless(tiny_target, references, monkeypatch):
+    """A verify cost under which no extra token ever pays: the fitted trees are roots only,
+    so the draft tree is skipped most iterations (backoff) or drafted every one (off)."""
+    calls = []
+    real = batch_step.draft_trees
+    monkeypatch.setattr(batch_step, "draft_trees", lambda *a: calls.append(1) or real(*a))
+    steep = VerifyCost([1, 64], [1.0, 1000.0])
+    settings = DecodeSettings(TreeShape(2, 2, 1, 4), LookupSettings(4, pool_tokens=4), verify="auto")
+    drafted = {}
+    for most in (0, 8):
+        calls.clear()
+        requests = _decode(tiny_target, make_draft(tiny_target, True), settings, cost=steep,
+                           fusion=FusionSettings(draft_backoff=most))
+        assert [r.tokens for r in requests] == references
+        assert {s for r in requests for s in r.tree_sizes} == {1}
+        drafted[most] = len(calls)
+    assert drafted[8] < drafted[0] / 3
