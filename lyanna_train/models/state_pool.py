@@ -18,10 +18,16 @@ import torch.nn.functional as F
 EMPTY = -(2**62)  # the position of an empty slot: outside every anchor's window
 
 
-def best_match(queries: torch.Tensor, pool: torch.Tensor, allowed: torch.Tensor):
+def unit(states: torch.Tensor) -> torch.Tensor:
+    """The states as fp32 unit vectors: what cosine similarity compares."""
+    return F.normalize(states.float(), dim=-1)
+
+
+def best_match(queries: torch.Tensor, pool: torch.Tensor, allowed: torch.Tensor, pool_units: torch.Tensor | None = None):
     """queries [B, Q, H], pool [B, S, H], allowed [B|1, Q, S] bool ->
-    (similarity [B, Q], retrieved [B, Q, H]); similarity is -inf where nothing is allowed."""
-    sims = F.normalize(queries.float(), dim=-1) @ F.normalize(pool.float(), dim=-1).transpose(1, 2)
+    (similarity [B, Q], retrieved [B, Q, H]); similarity is -inf where nothing is allowed.
+    ``pool_units``: ``unit(pool)`` when the caller keeps it (a serving pool does)."""
+    sims = unit(queries) @ (unit(pool) if pool_units is None else pool_units).transpose(1, 2)
     sims = sims.masked_fill(~allowed, float("-inf"))
     best, index = sims.max(dim=-1)
     retrieved = torch.gather(pool, 1, index.unsqueeze(-1).expand(-1, -1, pool.shape[-1]))
@@ -57,14 +63,21 @@ class StatePool:
     def __init__(self, batch: int, size: int, hidden: int, dtype=torch.float32, device=None):
         self.size = size
         self.states = torch.zeros(batch, size, hidden, dtype=dtype, device=device)
+        # unit(states), kept up to date on push: every retrieval compares against the whole
+        # pool, and normalising it each time cost more than the comparison itself
+        self.units = torch.zeros(batch, size, hidden, dtype=torch.float32, device=device)
         self.positions = torch.full((batch, size), EMPTY, dtype=torch.int64, device=device)  # empty slots
         self.count = torch.zeros(batch, dtype=torch.int64, device=device)  # states ever pushed
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        """Everything indexed by sequence (what moving a sequence to another slot copies)."""
+        return self.states, self.units, self.positions, self.count
 
     def rows(self, index: slice) -> "StatePool":
         """The pool of sequences ``index`` (a slice): a view, so pushes write through."""
         view = object.__new__(StatePool)
-        view.size, view.states, view.positions, view.count = \
-            self.size, self.states[index], self.positions[index], self.count[index]
+        view.size = self.size
+        view.states, view.units, view.positions, view.count = (t[index] for t in self.tensors())
         return view
 
     def clear(self) -> None:
@@ -80,6 +93,7 @@ class StatePool:
         rows = torch.arange(states.shape[0], device=states.device)[:, None].expand_as(slots)
         keep = valid & (offsets >= valid.long().sum(1, keepdim=True) - self.size)  # last `size` of the chunk
         self.states[rows[keep], slots[keep]] = states[keep].to(self.states.dtype)
+        self.units[rows[keep], slots[keep]] = unit(self.states[rows[keep], slots[keep]])
         self.positions[rows[keep], slots[keep]] = positions[keep]
         self.count += valid.long().sum(1)
 
@@ -88,11 +102,21 @@ class StatePool:
         """queries [B, Q, H] at anchor positions [B, Q] -> (similarity [B, Q], retrieved [B, Q, H]).
 
         ``extra_*`` [B, N, ...] are candidates not pushed yet (the current chunk)."""
-        states, positions = self.states, self.positions
-        if extra_states is not None:
-            states = torch.cat([states, extra_states.to(states.dtype)], dim=1)
-            positions = torch.cat([positions, extra_positions], dim=1)
-        return best_match(queries, states, self.window(anchors, positions))
+        if extra_states is None:
+            return best_match(queries, self.states, self.window(anchors), self.units)
+        extra_states = extra_states.to(self.states.dtype)
+        sim, retrieved = best_match(queries, self.states, self.window(anchors), self.units)
+        sim_x, retrieved_x = best_match(queries, extra_states, self.window(anchors, extra_positions))
+        take = sim_x > sim  # strict: the pool's slot wins a tie, as it comes first in the concatenation
+        return torch.where(take, sim_x, sim), torch.where(take[..., None], retrieved_x, retrieved)
+
+    def most_similar(self, query: torch.Tensor, anchor: int) -> tuple[float, int]:
+        """query [H] at position ``anchor`` of sequence 0 -> (cosine similarity, position) of
+        its most similar pooled state in the window; (-inf, EMPTY) when the window is empty."""
+        allowed = self.window(torch.tensor([[anchor]], device=self.positions.device))[0, 0]
+        sims = (self.units[0] @ unit(query)).masked_fill(~allowed, float("-inf"))
+        best = int(sims.argmax())
+        return float(sims[best]), int(self.positions[0, best])
 
     def window(self, anchors: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         """anchors [B, Q] -> [B, Q, S] bool: the slots each anchor may retrieve from,

@@ -86,8 +86,7 @@ class BatchDraftState:
         n = self.lengths[src]
         self.keys[dst, :, :n] = self.keys[src, :, :n]
         self.values[dst, :, :n] = self.values[src, :, :n]
-        for t in (self.pending, self.anchor_state) + ((self.pool.states, self.pool.positions, self.pool.count)
-                                                       if self.pool is not None else ()):
+        for t in (self.pending, self.anchor_state) + (self.pool.tensors() if self.pool is not None else ()):
             t[dst] = t[src]
         self.lengths[dst], self.anchor_pos[dst] = n, self.anchor_pos[src]
         self.reset_row(src)

@@ -96,5 +96,5 @@ def _pool_fuse_rows(draft: DraftHead, state: BatchDraftState, rows: slice, curre
     pool, gate = state.pool.rows(rows), draft.gate
     allowed = pool.window(anchors[:, None])[:, 0]  # [R, S]
     fused, _, _, _ = pool_fusion(current, pool.states, allowed, draft.cfg.pool_threshold, gate.proj.weight,
-                                 gate.proj.bias, gate.out.weight, gate.out.bias, gate.alpha_max)
+                                 gate.proj.bias, gate.out.weight, gate.out.bias, gate.alpha_max, pool_units=pool.units)
     return fused

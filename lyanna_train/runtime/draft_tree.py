@@ -62,7 +62,7 @@ def pool_fuse_serving(draft: DraftHead, state: DraftState, current: torch.Tensor
     pool, gate = state.pool, draft.gate
     allowed = pool.window(torch.full((1, 1), state.anchor_pos, device=current.device))[:, 0]  # [1, S]
     fused, _, _, _ = pool_fusion(current[None], pool.states, allowed, draft.cfg.pool_threshold, gate.proj.weight,
-                                 gate.proj.bias, gate.out.weight, gate.out.bias, gate.alpha_max)
+                                 gate.proj.bias, gate.out.weight, gate.out.bias, gate.alpha_max, pool_units=pool.units)
     return fused[0]
 
 

@@ -5,13 +5,12 @@ current anchor's own step-0 state is close (cosine ≥ the pool's threshold) to 
 an earlier anchor p, the text may be repeating itself in meaning, not only in surface
 n-grams: the tokens that followed p (x_{p+2}, x_{p+3}, ...) are proposed as the
 continuation, beside the draft's and prompt lookup's candidates, and verified in the
-same forward. It costs one similarity row over the pool per iteration.
+same forward. It costs one similarity row over the pool's kept unit vectors per iteration.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from .draft_step import DraftState
 
@@ -24,12 +23,8 @@ def pool_continuation(state: DraftState, context: torch.Tensor, length: int, max
     pool, query = state.pool, state.pending
     if pool is None or query is None or max_tokens < 1:
         return []
-    allowed = pool.window(torch.tensor([[state.anchor_pos]], device=pool.positions.device))[0, 0]  # [S]
-    if not bool(allowed.any()):
+    sim, position = pool.most_similar(query.reshape(-1), state.anchor_pos)
+    if sim < threshold:
         return []
-    sims = F.cosine_similarity(query[0].float(), pool.states[0].float(), dim=-1).masked_fill(~allowed, -2.0)
-    best = int(sims.argmax())
-    if float(sims[best]) < threshold:
-        return []
-    start = int(pool.positions[0, best]) + 2  # anchor p's state predicts x_{p+2}
+    start = position + 2  # anchor p's state predicts x_{p+2}
     return context[start:min(start + max_tokens, length)].tolist()

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from lyanna_train.models.state_pool import unit
 from lyanna_train.runtime.batch_draft_step import BatchDraftState, extend_rows
 from lyanna_train.runtime.batch_draft_tree import draft_trees
 from lyanna_train.runtime.draft_step import DraftState, draft_extend
@@ -92,6 +93,7 @@ def test_a_rows_pool_is_never_read_by_another_row(tiny_target):
         anchor = batched.anchor_pos[0]
         for other in (1, 2):
             batched.pool.states[other] = batched.pending[0].expand_as(batched.pool.states[other]) * 3.0
+            batched.pool.units[other] = unit(batched.pool.states[other])
             batched.pool.positions[other] = torch.arange(anchor - 1, anchor - 1 - batched.pool.size, -1)
         after = TokenTree.rooted_at(5)
         draft_trees(draft, batched, slice(0, 3), [after, TokenTree.rooted_at(5), TokenTree.rooted_at(5)], shape)

@@ -99,15 +99,17 @@ def hot_head_topk(hidden: torch.Tensor, norm_weight: torch.Tensor, eps: float, l
 
 def pool_fusion(current: torch.Tensor, pool: torch.Tensor, allowed: torch.Tensor, threshold: float,
                 proj_weight: torch.Tensor, proj_bias: torch.Tensor, out_weight: torch.Tensor,
-                out_bias: torch.Tensor, alpha_max: float, *, backend: str = "auto"):
+                out_bias: torch.Tensor, alpha_max: float, *, pool_units: torch.Tensor | None = None,
+                backend: str = "auto"):
     """Retrieve each sequence's most similar allowed pooled state and α-fuse it (serving).
 
     current [B, H] or [B, Q, H] (Q queries of sequence b: the nodes of its tree level, one
     pool and window), pool [B, S, H], allowed [B, S] bool (from the pool's positions), the
     AlphaGate's proj [W, 2H+1] + [W] and out [1, W] + [1] ->
     (fused like current, alpha fp32 (0 below ``threshold``), similarity fp32 (-inf where
-    nothing is allowed), index int64 slot (-1 where nothing is allowed); each [B] or [B, Q])."""
+    nothing is allowed), index int64 slot (-1 where nothing is allowed); each [B] or [B, Q]).
+    ``pool_units``: unit(pool) if the caller keeps it (used by the torch reference only)."""
     args = (current, pool, allowed, threshold, proj_weight, proj_bias, out_weight, out_bias, alpha_max)
     if use_triton(backend, current, pool, allowed, proj_weight, proj_bias, out_weight, out_bias):
-        return pool_fusion_triton(*args)
-    return pool_fusion_reference(*args)
+        return pool_fusion_triton(*args)  # norms on the fly: cheaper than reading kept unit vectors
+    return pool_fusion_reference(*args, pool_units)

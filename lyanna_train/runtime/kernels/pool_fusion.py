@@ -24,14 +24,16 @@ _NORM_EPS = 1e-12  # F.normalize
 
 def pool_fusion_reference(current: torch.Tensor, pool: torch.Tensor, allowed: torch.Tensor, threshold: float,
                           proj_weight: torch.Tensor, proj_bias: torch.Tensor, out_weight: torch.Tensor,
-                          out_bias: torch.Tensor, alpha_max: float):
+                          out_bias: torch.Tensor, alpha_max: float, pool_units: torch.Tensor | None = None):
     """current [B, H] or [B, Q, H] (Q queries sharing sequence b's pool and window), pool
     [B, S, H], allowed [B, S] bool, proj [W, 2H+1] + [W], out [1, W] + [1] -> (fused like
     current, in its dtype; alpha, similarity (-inf where no slot is allowed) fp32 and index
-    int64 (-1 where no slot is allowed), each [B] or [B, Q])."""
+    int64 (-1 where no slot is allowed), each [B] or [B, Q]). ``pool_units``: the pool as
+    fp32 unit vectors when the caller keeps them (``StatePool.units``), else computed here."""
     single = current.dim() == 2
     queries = current[:, None] if single else current
-    sims = F.normalize(queries.float(), dim=-1) @ F.normalize(pool.float(), dim=-1).transpose(1, 2)  # [B, Q, S]
+    units = F.normalize(pool.float(), dim=-1) if pool_units is None else pool_units
+    sims = F.normalize(queries.float(), dim=-1) @ units.transpose(1, 2)  # [B, Q, S]
     sims = sims.masked_fill(~allowed[:, None], float("-inf"))
     best, index = sims.max(dim=-1)
     retrieved = torch.gather(pool, 1, index[..., None].expand(-1, -1, pool.shape[-1]))
