@@ -116,7 +116,8 @@ class StatePool:
         allowed = self.window(torch.tensor([[anchor]], device=self.positions.device))[0, 0]
         sims = (self.units[0] @ unit(query)).masked_fill(~allowed, float("-inf"))
         best = int(sims.argmax())
-        return float(sims[best]), int(self.positions[0, best])
+        sim = float(sims[best])
+        return sim, int(self.positions[0, best]) if sim > float("-inf") else EMPTY
 
     def window(self, anchors: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         """anchors [B, Q] -> [B, Q, S] bool: the slots each anchor may retrieve from,

@@ -38,3 +38,13 @@ def test_retrieval_with_extras_is_retrieval_over_the_concatenation():
     torch.testing.assert_close(sim, want_sim, rtol=0, atol=1e-6)
     torch.testing.assert_close(got, want, rtol=0, atol=0)
     assert torch.equal(got[0, 0], pool.states[0, 5])
+
+
+def test_most_similar_is_the_best_in_the_window_or_nothing():
+    pool = StatePool(1, 4, 8)
+    query = torch.ones(8)
+    assert pool.most_similar(query, 3) == (float("-inf"), EMPTY)  # empty pool
+    pool.push(torch.stack([-query, query * 0.5, query.flip(0) * torch.arange(8.0)])[None], torch.tensor([[0, 1, 2]]))
+    sim, position = pool.most_similar(query, 3)
+    assert position == 1 and abs(sim - 1.0) < 1e-6
+    assert pool.most_similar(query, 10)[1] == EMPTY  # every pooled position is out of the window (size 4)
