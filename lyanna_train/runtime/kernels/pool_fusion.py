@@ -16,6 +16,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ...models.state_pool import unit
+
 tl = None  # triton.language, bound by lazy_jit() on first use: triton stays optional
 
 _RMS_EPS = 1e-6  # alpha_gate._rms
@@ -32,8 +34,7 @@ def pool_fusion_reference(current: torch.Tensor, pool: torch.Tensor, allowed: to
     fp32 unit vectors when the caller keeps them (``StatePool.units``), else computed here."""
     single = current.dim() == 2
     queries = current[:, None] if single else current
-    units = F.normalize(pool.float(), dim=-1) if pool_units is None else pool_units
-    sims = F.normalize(queries.float(), dim=-1) @ units.transpose(1, 2)  # [B, Q, S]
+    sims = unit(queries) @ (unit(pool) if pool_units is None else pool_units).transpose(1, 2)  # [B, Q, S]
     sims = sims.masked_fill(~allowed[:, None], float("-inf"))
     best, index = sims.max(dim=-1)
     retrieved = torch.gather(pool, 1, index[..., None].expand(-1, -1, pool.shape[-1]))
