@@ -66,6 +66,17 @@ class BatchDraftState:
         self.pending = weight.new_zeros(slots, 1, cfg.hidden_size)  # each row's anchor step-0 state, not pooled yet
         self.anchor_state = weight.new_zeros(slots, 1, cfg.hidden_size)  # its fused state: drafting's input
         self.anchor_pos = [-1] * slots
+        # step-0 inputs not run yet, per row: (aux [n, k·H], next tokens [n]) chunks in order
+        self.backlog: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in range(slots)]
+
+    def defer(self, rows: slice, aux: torch.Tensor, next_tokens: torch.Tensor, counts: list[int]) -> None:
+        """Keep rows' new anchors (as :func:`extend_rows` takes them) for a later catch-up."""
+        for i, c in enumerate(counts):
+            self.backlog[rows.start + i].append((aux[i, :c], next_tokens[i, :c]))
+
+    def behind(self, slot: int) -> bool:
+        """Whether the row has anchors its caches do not hold yet."""
+        return bool(self.backlog[slot])
 
     def reserve(self, total: int) -> None:
         """Room for ``total`` slots per row (accepted plus scratch)."""
@@ -78,6 +89,7 @@ class BatchDraftState:
 
     def reset_row(self, slot: int) -> None:
         self.lengths[slot], self.anchor_pos[slot] = 0, -1
+        self.backlog[slot] = []
         if self.pool is not None:
             self.pool.rows(slice(slot, slot + 1)).clear()
 
@@ -89,6 +101,7 @@ class BatchDraftState:
         for t in (self.pending, self.anchor_state) + (self.pool.tensors() if self.pool is not None else ()):
             t[dst] = t[src]
         self.lengths[dst], self.anchor_pos[dst] = n, self.anchor_pos[src]
+        self.backlog[dst] = self.backlog[src]
         self.reset_row(src)
 
 
@@ -99,7 +112,8 @@ def extend_rows(draft: DraftHead, state: BatchDraftState, rows: slice, aux: torc
 
     aux [R, N, k·H]: the target's features at those positions; next_tokens [R, N]: the
     token after each (already accepted). A row with no anchor yet (just admitted) starts
-    its pool with this chunk; the others offer their held-back anchor to it first."""
+    its pool with this chunk; the others offer their held-back anchor to it first. A row
+    may have 0 new anchors (it is left as it was)."""
     n = next_tokens.shape[1]
     device = next_tokens.device
     starts = torch.tensor(state.lengths[rows], device=device)
@@ -113,11 +127,32 @@ def extend_rows(draft: DraftHead, state: BatchDraftState, rows: slice, aux: torc
     fused = current
     if state.pool is not None:
         fused = _pool_step(draft, state, rows, current, positions, valid, count)
-    last = torch.arange(len(counts), device=device), count - 1
-    state.anchor_state[rows] = fused[last][:, None]
+    grown = (count > 0)[:, None, None]
+    last = fused[torch.arange(len(counts), device=device), (count - 1).clamp(min=0)][:, None]
+    state.anchor_state[rows] = torch.where(grown, last, state.anchor_state[rows])
     for i, c in enumerate(counts):
-        state.lengths[rows.start + i] += c
-        state.anchor_pos[rows.start + i] = state.lengths[rows.start + i] - 1
+        if c:
+            state.lengths[rows.start + i] += c
+            state.anchor_pos[rows.start + i] = state.lengths[rows.start + i] - 1
+
+
+def catch_up_rows(draft: DraftHead, state: BatchDraftState, rows: slice) -> None:
+    """Step 0 over every deferred anchor of rows ``rows``, in one forward (rows with no
+    backlog take part with 0 anchors)."""
+    backlogs = state.backlog[rows]
+    if not any(backlogs):
+        return
+    chunks = [(torch.cat([a for a, _ in b]), torch.cat([t for _, t in b])) if b else None for b in backlogs]
+    counts = [0 if c is None else c[1].shape[0] for c in chunks]
+    first = next(c for c in chunks if c is not None)
+    aux = first[0].new_zeros(len(chunks), max(counts), first[0].shape[-1])
+    following = first[1].new_zeros(len(chunks), max(counts))
+    for i, c in enumerate(chunks):
+        if c is not None:
+            aux[i, :counts[i]], following[i, :counts[i]] = c
+    extend_rows(draft, state, rows, aux, following, counts)
+    for slot in range(rows.start, rows.stop):
+        state.backlog[slot] = []
 
 
 def _pool_step(draft: DraftHead, state: BatchDraftState, rows: slice, current: torch.Tensor, positions: torch.Tensor,
@@ -130,12 +165,14 @@ def _pool_step(draft: DraftHead, state: BatchDraftState, rows: slice, current: t
         raise ValueError("rows joining and rows running are extended in separate calls")
     extra, extra_pos = current, positions.masked_fill(~valid, EMPTY)
     push = valid & (torch.arange(valid.shape[1], device=valid.device)[None] < count[:, None] - 1)
+    grown = count > 0
     if started[0]:
         extra = torch.cat([state.pending[rows], current], dim=1)
         extra_pos = torch.cat([positions[:, :1] - 1, extra_pos], dim=1)
-        push = torch.cat([torch.ones_like(push[:, :1]), push], dim=1)
+        push = torch.cat([grown[:, None], push], dim=1)
     sim, retrieved = pool.retrieve(current, positions, extra, extra_pos)
     fused, _, _ = draft.pool_fuse(current, sim, retrieved)
     pool.push(extra, extra_pos, push)
-    state.pending[rows] = current[torch.arange(len(count), device=count.device), count - 1][:, None]
+    last = current[torch.arange(len(count), device=count.device), (count - 1).clamp(min=0)][:, None]
+    state.pending[rows] = torch.where(grown[:, None, None], last, state.pending[rows])
     return fused

@@ -14,7 +14,7 @@ target, :class:`.batch_draft_step.BatchDraftState` for the draft), one sequence 
   width, a ragged 4D mask, per-row position ids);
 * :func:`accept_rows` — each row its own path (greedy or rejection sampling with its own
   parameters and generator), then both caches rolled to it, the draft's step 0 for all
-  rows in one forward.
+  rows in one forward (deferred while drafting is backed off).
 
 Each row's output is what the row decoded alone would give: the same acceptance rules
 (:mod:`.tree`, :mod:`.sampling`) applied to its own logits, which a row's padding and the
@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..models.draft_head import DraftHead
-from .batch_draft_step import BatchDraftState, chunk_mask, extend_rows
+from .batch_draft_step import BatchDraftState, catch_up_rows, chunk_mask, extend_rows
 from .batch_draft_tree import draft_trees
 from .cost import AcceptanceEstimates, VerifyCost, best_width
 from .decode import DecodeSettings, add_free_candidates
@@ -69,13 +69,20 @@ class DraftBackoff:
     overhead. After a verify that took nothing but the roots of drafted trees, the next
     ``wait`` iterations propose without the draft tree (lookup and pool candidates still
     come: they are free), then it drafts again; ``wait`` doubles up to ``most`` while drafting
-    keeps not paying and drops to 0 once it does. The draft's step 0 over accepted tokens
-    runs every iteration regardless, so its caches are current whenever it drafts again."""
+    keeps not paying and drops to 0 once it does. Meanwhile the draft's step 0 over accepted
+    tokens waits in each row's backlog and runs as one forward when it drafts again (on 2
+    CPU cores at batch 8 a step 0 per iteration cost ~10 % of the throughput); the rows'
+    pool candidates pause with it."""
 
     most: int  # 0: draft every iteration
     wait: int = 0
     skip: int = 0  # iterations left without the draft tree
     drafted: bool = False  # whether the trees being verified hold draft candidates
+
+    @property
+    def deferring(self) -> bool:
+        """Whether the next proposal skips the draft tree."""
+        return self.skip > 0
 
     def draft_now(self) -> bool:
         self.drafted = self.skip == 0
@@ -141,12 +148,14 @@ def propose_rows(batch: Batch, rows: slice) -> list[TokenTree]:
     trees = [TokenTree.rooted_at(row.last_token) for row in active]
     settings, draft = batch.settings, batch.draft
     if draft is not None and batch.backoff.draft_now():
+        catch_up_rows(draft, batch.draft_state, rows)
         drafted = draft_trees(draft, batch.draft_state, rows, trees, settings.tree)
         for row, tree, nodes in zip(active, trees, drafted):
             row.estimates.calibrate_draft(tree, nodes)
-    for i, (row, tree) in enumerate(zip(active, trees)):
+    for slot, row, tree in zip(range(rows.start, rows.stop), active, trees):
+        current = draft is not None and not batch.draft_state.behind(slot)  # a pool behind its row has no candidates
         add_free_candidates(tree, row.context, row.length, settings.lookup, row.estimates,
-                            batch.draft_state.row(rows.start + i) if draft is not None else None,
+                            batch.draft_state.row(slot) if current else None,
                             draft.cfg.pool_threshold if draft is not None else 0.0)
     return trees
 
@@ -218,9 +227,16 @@ def accept_rows(batch: Batch, rows: slice, trees: list[TokenTree], logits: torch
 
 def _extend_drafts(batch: Batch, rows: slice, paths: list[list[int]], news: list[list[int]], aux: torch.Tensor) -> None:
     """The draft's step 0 over every row's accepted run (features at the path's nodes,
-    each followed by the next accepted token), in one forward."""
+    each followed by the next accepted token), in one forward; kept in the rows' backlog
+    instead while the next proposal will not draft."""
     width = max(len(p) for p in paths)
     index = torch.tensor([p + [0] * (width - len(p)) for p in paths], device=aux.device)
     following = torch.tensor([n + [0] * (width - len(n)) for n in news], device=aux.device)
     chosen = aux.gather(1, index[..., None].expand(-1, -1, aux.shape[-1]))
-    extend_rows(batch.draft, batch.draft_state, rows, chosen, following, [len(p) for p in paths])
+    counts, state = [len(p) for p in paths], batch.draft_state
+    if batch.backoff.deferring or any(state.behind(slot) for slot in range(rows.start, rows.stop)):
+        state.defer(rows, chosen, following, counts)
+        if not batch.backoff.deferring:
+            catch_up_rows(batch.draft, state, rows)
+    else:
+        extend_rows(batch.draft, state, rows, chosen, following, counts)

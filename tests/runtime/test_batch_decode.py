@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lyanna_train.runtime import batch_step, decode
+from lyanna_train.runtime import batch_draft_step, batch_step, decode
 from lyanna_train.runtime.cost import VerifyCost, best_count, best_width
 from lyanna_train.runtime.decode import DecodeSettings, LookupSettings
 from lyanna_train.runtime.draft_tree import TreeShape
@@ -296,17 +296,21 @@ def test_draft_backoff_waits_longer_while_drafting_does_not_pay():
 def test_drafting_backs_off_where_no_candidate_can_pay_and_stays_lossless(tiny_target, references, monkeypatch):
     """A verify cost under which no extra token ever pays: the fitted trees are roots only,
     so the draft tree is skipped most iterations (backoff) or drafted every one (off)."""
-    calls = []
+    calls, step0 = [], []
     real = batch_step.draft_trees
     monkeypatch.setattr(batch_step, "draft_trees", lambda *a: calls.append(1) or real(*a))
+    real_extend = batch_draft_step.extend_rows
+    for module in (batch_step, batch_draft_step):  # the eager path and the backlog's catch-up
+        monkeypatch.setattr(module, "extend_rows", lambda *a: step0.append(1) or real_extend(*a))
     steep = VerifyCost([1, 64], [1.0, 1000.0])
     settings = DecodeSettings(TreeShape(2, 2, 1, 4), LookupSettings(4, pool_tokens=4), verify="auto")
-    drafted = {}
+    drafted, extended = {}, {}
     for most in (0, 8):
-        calls.clear()
+        calls.clear(), step0.clear()
         requests = _decode(tiny_target, make_draft(tiny_target, True), settings, cost=steep,
                            fusion=FusionSettings(draft_backoff=most))
         assert [r.tokens for r in requests] == references
         assert {s for r in requests for s in r.tree_sizes} == {1}
-        drafted[most] = len(calls)
+        drafted[most], extended[most] = len(calls), len(step0)
     assert drafted[8] < drafted[0] / 3
+    assert extended[8] < extended[0] / 2  # step 0 waits in the backlog while drafting is skipped

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from lyanna_train.models.state_pool import unit
-from lyanna_train.runtime.batch_draft_step import BatchDraftState, extend_rows
+from lyanna_train.runtime.batch_draft_step import BatchDraftState, catch_up_rows, extend_rows
 from lyanna_train.runtime.batch_draft_tree import draft_trees
 from lyanna_train.runtime.draft_step import DraftState, draft_extend
 from lyanna_train.runtime.draft_tree import TreeShape, draft_tree
@@ -26,9 +26,11 @@ def _features(seed: int, n: int):
     return torch.randn(1, n, 3 * 64), torch.randint(0, V, (1, n + 1))
 
 
-def _run_both(draft, shape: TreeShape):
+def _run_both(draft, shape: TreeShape, deferred: tuple[int, ...] = ()):
     """Feed every row its chunks through BatchDraftState (all rows per call) and through
-    its own DraftState; after each round, draft a tree both ways -> (batched, alone) trees."""
+    its own DraftState; after each round, draft a tree both ways -> (batched, alone) trees.
+    Rounds in ``deferred`` go to the rows' backlog (no drafting); the next round catches
+    up: row 1 on its own first, then all rows in one forward (row 1 with nothing left)."""
     rows = len(CHUNKS)
     data = [_features(r, sum(c) + 1) for r, c in enumerate(CHUNKS)]
     batched, alone = BatchDraftState(draft, slots=rows, capacity=4), [DraftState(draft, capacity=4) for _ in CHUNKS]
@@ -43,13 +45,21 @@ def _run_both(draft, shape: TreeShape):
             s, n = starts[r], counts[r]
             aux[r, :n], nxt[r, :n] = a[0, s:s + n], ids[0, s + 1:s + n + 1]
             draft_extend(draft, alone[r], a[:, s:s + n], ids[:, s + 1:s + n + 1], s)
+        starts = [s + n for s, n in zip(starts, counts)]
         if step == 0:  # rows join one by one (each prefill is its own call), then run together
             for r in range(rows):
                 extend_rows(draft, batched, slice(r, r + 1), aux[r:r + 1, :counts[r]], nxt[r:r + 1, :counts[r]],
                             counts[r:r + 1])
+        elif step in deferred or batched.behind(0):
+            batched.defer(slice(0, rows), aux, nxt, counts)
+            if step in deferred:
+                assert all(batched.behind(r) for r in range(rows))
+                continue
+            catch_up_rows(draft, batched, slice(1, 2))
+            catch_up_rows(draft, batched, slice(0, rows))
+            assert not any(batched.behind(r) for r in range(rows))
         else:
             extend_rows(draft, batched, slice(0, rows), aux, nxt, counts)
-        starts = [s + n for s, n in zip(starts, counts)]
         roots = [TokenTree.rooted_at(int(data[r][1][0, starts[r]])) for r in range(rows)]
         draft_trees(draft, batched, slice(0, rows), roots, shape)
         trees_b.append(roots)
@@ -77,6 +87,20 @@ def test_each_row_drafts_what_it_drafts_alone(tiny_target, pool, shape):
             assert (b.tokens, b.parents) == (a.tokens, a.parents)
             assert b.probs == pytest.approx(a.probs, rel=1e-4, abs=1e-6)
             assert len(b) > 1
+
+
+@pytest.mark.parametrize("pool", [True, False], ids=["pool", "no-pool"])
+def test_deferred_step0_caught_up_in_one_forward_is_what_each_row_gets_alone(tiny_target, pool):
+    """Drafting backed off for rounds 1-3: each row's anchors wait in its backlog, then one
+    forward over all of them leaves caches, pool and anchor as the eager extensions would."""
+    draft = make_draft(tiny_target, pool)
+    with torch.inference_mode():
+        batched, _, trees_b, trees_a = _run_both(draft, TreeShape(3, 3, 2, 8), deferred=(1, 2, 3))
+    assert len(trees_b) == len(CHUNKS[0]) - 3
+    for batched_trees, alone_trees in zip(trees_b, trees_a):
+        for b, a in zip(batched_trees, alone_trees):
+            assert (b.tokens, b.parents) == (a.tokens, a.parents)
+            assert b.probs == pytest.approx(a.probs, rel=1e-4, abs=1e-6)
 
 
 def test_a_rows_pool_is_never_read_by_another_row(tiny_target):
