@@ -71,7 +71,7 @@ class DraftBackoff:
     come: they are free), then it drafts again; ``wait`` doubles up to ``most`` while drafting
     keeps not paying and drops to 0 once it does. Meanwhile the draft's step 0 over accepted
     tokens waits in each row's backlog and runs as one forward when it drafts again (on 2
-    CPU cores at batch 8 a step 0 per iteration cost ~10 % of the throughput); the rows'
+    CPU cores at batch 8 a step 0 per iteration cost ~15 % of the throughput); the rows'
     pool candidates pause with it."""
 
     most: int  # 0: draft every iteration
