@@ -32,7 +32,8 @@ from .batch_draft_step import BatchDraftState, catch_up_rows, chunk_mask, extend
 from .batch_draft_tree import draft_trees
 from .cost import AcceptanceEstimates, VerifyCost, best_width
 from .decode import DecodeSettings, add_free_candidates
-from .ragged_cache import RaggedCache, ragged_mask
+from .masks import ragged_mask
+from .ragged_cache import RaggedCache
 from .requests import Request
 from .sampling import accept_tree_sampling, warp_probs
 from .target_step import ragged_forward

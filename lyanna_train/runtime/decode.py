@@ -33,7 +33,7 @@ from .draft_tree import TreeShape, draft_tree
 from .pool_lookup import pool_continuation
 from .prompt_lookup import lookup_continuations
 from .sampling import SamplingParams, accept_tree_sampling, warp_probs
-from .target_step import draft_capture, keep_cache_positions, target_forward, verify_tree
+from .target_step import check_target_masks, draft_capture, keep_cache_positions, target_forward, verify_tree
 from .tree import TokenTree, accept_greedy_tree, attention_mask
 
 
@@ -137,6 +137,7 @@ def prefill(target, draft: DraftHead | None, prompt_ids, settings: DecodeSetting
     """Run the target over the prompt [1, P] (-> its next token x_P) and the draft's step 0
     over anchors 0..P-1 (tokens x_1..x_P), filling both caches and the pool."""
     prompt = _as_prompt(prompt_ids, target.device)
+    check_target_masks(target)
     capture = draft_capture(target, draft, layer_ids)
     cache = DynamicCache(config=target.config)
     logits, aux = target_forward(target, capture, cache, prompt, logits_to_keep=1)

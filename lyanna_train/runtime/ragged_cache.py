@@ -6,7 +6,7 @@ iteration. :class:`RaggedCache` is a ``Cache`` whose rows (slots) keep their own
 the keys and values of every layer live in ONE preallocated buffer, written in place at
 each row's own offset (gpt-fast's ``KVCache``, with per-row offsets), and any transformers
 causal LM that reads its cache through ``cache.update`` decodes with it unchanged, given
-the explicit position ids and 4D masks the runtime builds (:func:`ragged_mask`).
+the explicit position ids and 4D masks the runtime builds (:func:`.masks.ragged_mask`).
 
 A forward covers a contiguous run of slots (``begin(rows, new_tokens)``): row r's T new
 entries go to slots ``length[r] .. length[r] + T - 1`` and attention sees the buffer up to
@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
+
+from .masks import layer_windows
 
 EMPTY = 0
 
@@ -92,10 +94,10 @@ class RaggedCache(Cache):
 
     @classmethod
     def for_model(cls, model, slots: int, capacity: int = 256) -> "RaggedCache":
+        """Every layer keeps every entry, sliding-window layers included: the window is the
+        mask's to apply (:class:`.masks.MaskForm`), so entries never shift under the mask."""
         config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-        kinds = set(getattr(config, "layer_types", None) or ["full_attention"])
-        if kinds != {"full_attention"}:
-            raise ValueError(f"batched decoding supports full-attention layers only, this target has {sorted(kinds)}")
+        layer_windows(config)  # refuses layer kinds a mask cannot express (recurrent, chunked)
         return cls(config.num_hidden_layers, slots, capacity, model.device)
 
     def _allocate(self, like: torch.Tensor) -> None:
@@ -156,26 +158,3 @@ class RaggedCache(Cache):
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.plan.kv_length
-
-
-def ragged_mask(offsets: torch.Tensor, parents: torch.Tensor, kv_length: int) -> torch.Tensor:
-    """[rows, 1, width, kv_length] bool for a forward over ``rows`` token trees (or chunks).
-
-    parents [rows, width] (int64, -1 for a root and for padding): row i's entry j, written
-    at slot offsets[i] + j, sees that row's cached slots 0..offsets[i]-1, itself and its
-    ancestors (a chain ``[-1, 0, 1, ...]`` is a causal chunk). A padding entry sees
-    the row's cache and itself (a row of False would make attention NaN), and nobody sees it."""
-    rows, width = parents.shape
-    device = offsets.device
-    parents = parents.to(device)
-    tree = torch.eye(width, dtype=torch.bool, device=device).repeat(rows, 1, 1)
-    ancestor = parents
-    while bool((ancestor >= 0).any()):  # one level up per pass: as many passes as the deepest node
-        at = ancestor.clamp(min=0)[..., None]
-        tree.scatter_(2, at, (ancestor >= 0)[..., None] | tree.gather(2, at))  # a root's pass rewrites what was there
-        ancestor = torch.where(ancestor >= 0, parents.gather(1, ancestor.clamp(min=0)), ancestor)
-    cached = torch.arange(kv_length, device=device)[None, None, :] < offsets[:, None, None]
-    mask = cached.expand(rows, width, kv_length).clone()
-    columns = (offsets[:, None, None] + torch.arange(width, device=device)).expand(rows, width, width)
-    mask.scatter_(2, columns, tree)
-    return mask[:, None]

@@ -37,7 +37,7 @@ from .batch_step import Batch, DraftBackoff, Row, accept_rows, fit_trees, prefil
 from .cost import VerifyCost
 from .decode import DecodeSettings, FusionSettings, cut, stop_ids  # FusionSettings: re-exported
 from .ragged_cache import RaggedCache
-from .target_step import draft_capture
+from .target_step import check_target_masks, draft_capture
 from .requests import Request, Status, check_request
 from .sampling import SamplingParams
 from .tree import TokenTree
@@ -69,6 +69,7 @@ class BatchDecoder:
                  layer_ids: Sequence[int] | None = None, fusion: FusionSettings | None = None):
         if max_batch < 1:
             raise ValueError(f"max_batch must be at least 1, got {max_batch}")
+        check_target_masks(target)
         capture = draft_capture(target, draft, layer_ids)
         self.max_batch, self.fusion = max_batch, fusion or settings.fusion
         self.batch = Batch(target, draft, capture, RaggedCache.for_model(target, max_batch),

@@ -18,6 +18,7 @@ import torch
 from transformers import DynamicCache
 
 from ..target.capture import LayerCapture
+from .masks import MaskForm, UnsupportedTarget, key_positions, ragged_mask
 
 
 def draft_capture(target, draft, layer_ids=None) -> LayerCapture | None:
@@ -57,10 +58,11 @@ def target_forward(target, capture: LayerCapture | None, cache: DynamicCache, in
 def ragged_forward(target, capture: LayerCapture | None, cache, input_ids: torch.Tensor, position_ids: torch.Tensor,
                    mask: torch.Tensor, logits_to_keep: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """Rows of new tokens after a :class:`.ragged_cache.RaggedCache` (planned by its
-    ``begin``): input_ids / position_ids [R, T], mask [R, 1, T, kv_length] bool ->
-    (logits [R, T or logits_to_keep, V], aux [R, T, k·H])."""
-    if getattr(target.config, "_attn_implementation", None) == "eager":  # eager attention adds the mask
-        mask = torch.zeros(mask.shape, dtype=target.dtype, device=mask.device).masked_fill(~mask, float("-inf"))
+    ``begin``): input_ids / position_ids [R, T], mask [R, 1, T, kv_length] bool (what each
+    token may read, :func:`.masks.ragged_mask`) -> (logits [R, T or logits_to_keep, V],
+    aux [R, T, k·H]). The mask reaches the model in the form its attention reads."""
+    keys = key_positions(cache.plan.offsets, position_ids, mask.shape[-1])
+    mask = MaskForm.of(target).build(mask, position_ids, keys)
     return _run(target, capture, input_ids=input_ids, position_ids=position_ids, attention_mask=mask,
                 use_cache=True, logits_to_keep=logits_to_keep, **{_cache_kwarg(target): cache})
 
@@ -83,7 +85,11 @@ def verify_tree(target, capture: LayerCapture | None, cache: DynamicCache, token
     each node is scored after the path to it. The cache grows by N in node order (see
     :func:`keep_cache_positions`)."""
     past = cache.get_seq_length()
-    return _run(target, capture, input_ids=tokens, position_ids=past + depths, attention_mask=mask, use_cache=True,
+    positions = past + depths
+    if mask is not None:  # in the form the model's attention reads (a bool mask means nothing to eager)
+        keys = torch.cat([torch.arange(past, device=positions.device)[None], positions], 1)
+        mask = MaskForm.of(target).build(mask, positions, keys)
+    return _run(target, capture, input_ids=tokens, position_ids=positions, attention_mask=mask, use_cache=True,
                 **{_cache_kwarg(target): cache})
 
 
@@ -99,3 +105,54 @@ def keep_cache_positions(cache: DynamicCache, past: int, kept: list[int]) -> Non
                 t = getattr(layer, name)
                 t[..., past:past + len(kept), :] = t.index_select(-2, index.to(t.device))
     crop_cache(cache, past + len(kept))
+
+
+def check_target_masks(target) -> None:
+    """Refuse (one line) a target whose attention does not honour the runtime's masks.
+
+    Runs a short sequence through the runtime's own path — two rows of a
+    :class:`.ragged_cache.RaggedCache` at different lengths, a chunked prefill, then a
+    fused forward over both rows — and compares every logit with the target's plain
+    forward over the same tokens (transformers' own causal and sliding-window masks). An
+    attention implementation that drops or misreads a custom mask, or a model that does
+    not read its cache through ``cache.update``, fails here, before anything is decoded.
+    Checked once per model object."""
+    if getattr(target, "_lyanna_masks_checked", False):
+        return
+    from .ragged_cache import RaggedCache
+
+    form = MaskForm.of(target)  # refuses implementations that take no custom mask at all
+    window = min((w for _, w in form.windows if w is not None), default=None)
+    length = 2 * window + 3 if window is not None and window <= 32 else 12  # past a small window: it is exercised
+    device = target.device
+    ids = (torch.arange(length, device=device) * 7919 + 11) % target.config.vocab_size
+    with torch.inference_mode():
+        reference = target(input_ids=ids[None], use_cache=False).logits[0].float()
+        cache = RaggedCache.for_model(target, 2, capacity=length)
+        lengths, logits = (length - 4, length - 6), {}
+        for row, n in enumerate(lengths):  # chunked prefill of each row alone
+            offsets = cache.begin(slice(row, row + 1), n)
+            positions = torch.arange(n, device=device)[None]
+            out, _ = ragged_forward(target, None, cache, ids[None, :n], positions,
+                                    ragged_mask(offsets, torch.arange(-1, n - 1)[None], n))
+            cache.advance(row, n)
+            logits[row] = [out[0]]
+        width = length - min(lengths)  # then both rows at once, ragged: the shorter row is padded
+        offsets = cache.begin(slice(0, 2), width)
+        tokens = torch.zeros(2, width, dtype=torch.long, device=device)
+        parents = torch.full((2, width), -1, dtype=torch.long)
+        for row, n in enumerate(lengths):
+            tokens[row, :length - n] = ids[n:]
+            parents[row, :length - n] = torch.arange(-1, length - n - 1)
+        out, _ = ragged_forward(target, None, cache, tokens, offsets[:, None] + torch.arange(width, device=device),
+                                ragged_mask(offsets, parents, cache.plan.kv_length))
+    for row, n in enumerate(lengths):
+        ours = torch.cat([logits[row][0], out[row, :length - n]]).float()
+        error = float((ours - reference).abs().max() / reference.abs().max().clamp(min=1e-6))
+        if not error <= (1e-3 if target.dtype == torch.float32 else 3e-2):
+            impl = getattr(target.config, "_attn_implementation", None)
+            raise UnsupportedTarget(
+                f"{type(target).__name__} (attn_implementation={impl!r}) does not give its own logits under the "
+                f"runtime's attention masks (relative error {error:.2g}): decoding would not be lossless; load it "
+                f"with attn_implementation='sdpa' or 'eager'")
+    target._lyanna_masks_checked = True

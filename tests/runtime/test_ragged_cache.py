@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from lyanna_train.runtime.batch_draft_step import chunk_mask
-from lyanna_train.runtime.ragged_cache import RaggedCache, ragged_mask
+from lyanna_train.runtime.masks import ragged_mask
+from lyanna_train.runtime.ragged_cache import RaggedCache
 from lyanna_train.runtime.target_step import ragged_forward
 from lyanna_train.runtime.tree import TokenTree, attention_mask
 
@@ -97,9 +98,3 @@ def test_ragged_mask_is_the_batch1_mask_per_row():
         for j in range(n, width):  # padding: the row's cache and itself, seen by nobody
             assert mask[i, 0, j].nonzero().flatten().tolist() == list(range(past)) + [past + j]
             assert not mask[i, 0, :, past + j][:n].any()
-
-
-def test_a_target_with_sliding_window_layers_is_refused_by_name(tiny_target, monkeypatch):
-    monkeypatch.setattr(tiny_target.config, "layer_types", ["full_attention", "sliding_attention"] * 2, raising=False)
-    with pytest.raises(ValueError, match="full-attention layers only.*sliding_attention"):
-        RaggedCache.for_model(tiny_target, slots=2)
