@@ -33,12 +33,12 @@ import torch
 def _verify_inputs(n: int, past: int, capacity: int, vocab: int):
     """A chain of n tokens after ``past`` cached ones: ids, positions, and the verify mask
     [1, 1, n, capacity] (the static cache's whole length; slots past past + n masked)."""
-    from lyanna_train.runtime.tree import attention_mask
+    from lyanna_train.runtime.verification.masks import ragged_mask
 
     ids = torch.randint(0, vocab, (1, n))
     positions = past + torch.arange(n)[None]
     mask = torch.zeros(1, 1, n, capacity, dtype=torch.bool)
-    mask[..., :past + n] = attention_mask(list(range(-1, n - 1)), past)
+    mask[..., :past + n] = ragged_mask(torch.tensor([past]), torch.arange(-1, n - 1)[None], past + n)
     return ids, positions, mask
 
 
@@ -49,13 +49,13 @@ def _timer(model, forward, context: int, sizes, repeats: int):
     and addresses) is filled once by an eager prefill; each timed forward is cropped away."""
     from transformers import StaticCache
 
-    from lyanna_train.runtime.target_step import _cache_kwarg
+    from lyanna_train.runtime.verification.target_step import cache_kwarg
 
     torch.manual_seed(0)  # every variant: the same prefill and the same timed tokens (the logits check compares them)
     vocab = model.config.vocab_size
     capacity = context + max(*sizes, 4)  # 4: the logits check
     cache = StaticCache(config=model.config, max_cache_len=capacity)
-    kwarg = _cache_kwarg(model)
+    kwarg = cache_kwarg(model)
     with torch.no_grad():
         model.forward(input_ids=torch.randint(0, vocab, (1, context)), use_cache=True, logits_to_keep=1,
                       **{kwarg: cache})
@@ -96,7 +96,7 @@ def build_variants(names, target, context: int, repeats: int, sizes, retune: boo
     import torch._dynamo
     import torch._inductor.config as inductor
 
-    from lyanna_train.runtime.cpu_tuning import tune
+    from lyanna_train.runtime.cpu.tuning import tune
 
     torch._dynamo.config.recompile_limit = 64  # a graph per token count and variant (one code object for all)
     torch._dynamo.config.accumulated_recompile_limit = 1024

@@ -13,8 +13,8 @@ import argparse
 
 from lyanna_train.evaluation.benchmark import hf_method
 from lyanna_train.evaluation.prompts import read_questions, render_prompt
-from lyanna_train.runtime import decode
-from lyanna_train.runtime.cpu_tuning import tune
+from lyanna_train.runtime.scheduling.scheduler import generate
+from lyanna_train.runtime.cpu.tuning import tune
 from lyanna_train.runtime.loading import load_models
 from lyanna_train.runtime.settings import load_decode_settings
 
@@ -39,7 +39,7 @@ def main() -> None:
         prompt = render_prompt(tokenizer, [{"role": "user", "content": q.turns[0]}])
         for name in names[i % len(names):] + names[:i % len(names)]:
             run = target_only(prompt, args.max_new_tokens) if name == "target" else \
-                decode.generate(target, draft, prompt, args.max_new_tokens, variants[name], cost=cost)
+                generate(target, draft, prompt, args.max_new_tokens, variants[name], cost=cost)
             seconds[name] += run.wall_time
             tokens[name] += len(run.tokens)
             forwards[name] += run.target_forwards

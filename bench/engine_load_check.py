@@ -144,7 +144,8 @@ def run_ours(args, verifier: str, export: Path, ids: list[list[int]]) -> dict:
 
     from lyanna_train.runtime.settings import load_decode_settings
     from lyanna_train.export.loader import load_exported
-    from lyanna_train.runtime import decode
+    from lyanna_train.runtime.scheduling.requests import cut, stop_ids
+    from lyanna_train.runtime.scheduling.scheduler import generate
     from lyanna_train.target.model import load_target_model
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -153,10 +154,10 @@ def run_ours(args, verifier: str, export: Path, ids: list[list[int]]) -> dict:
     settings = load_decode_settings("chain", [f"tree.depth={args.depth}", f"tree.max_nodes={args.depth}"])
     accepted, forwards, identical = 0, 0, 0
     for prompt in ids:
-        out = decode.generate(target, draft, prompt, args.max_new_tokens, settings)
+        out = generate(target, draft, prompt, args.max_new_tokens, settings)
         ref = target.generate(torch.tensor([prompt], device=device), max_new_tokens=args.max_new_tokens,
                               do_sample=False)[0, len(prompt):].tolist()
-        identical += decode.cut(ref, decode.stop_ids(target, None), args.max_new_tokens)[0] == out.tokens
+        identical += cut(ref, stop_ids(target, None), args.max_new_tokens)[0] == out.tokens
         accepted += len(out.tokens)
         forwards += out.target_forwards
     return {"device": device, "identical_to_transformers": f"{identical}/{len(ids)}",

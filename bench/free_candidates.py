@@ -13,17 +13,16 @@ the same run).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import time
 from dataclasses import replace
 
 from lyanna_train.evaluation.prompts import read_questions, render_prompt
-from lyanna_train.runtime import decode
-from lyanna_train.runtime.cost import POOL
-from lyanna_train.runtime.decode import LookupSettings
-from lyanna_train.runtime.draft_tree import TreeShape
-from lyanna_train.runtime.cpu_tuning import tune
+from lyanna_train.runtime.cpu.tuning import tune
 from lyanna_train.runtime.loading import load_models
-from lyanna_train.runtime.settings import load_decode_settings
+from lyanna_train.runtime.pricing.estimates import POOL, AcceptanceEstimates
+from lyanna_train.runtime.scheduling.scheduler import generate
+from lyanna_train.runtime.settings import LookupSettings, TreeShape, load_decode_settings
 
 MIXES = {
     "draft": LookupSettings(max_tokens=0),
@@ -31,6 +30,27 @@ MIXES = {
     "draft + pool": LookupSettings(max_tokens=0, pool_tokens=10),
     "draft + lookup + pool": LookupSettings(max_tokens=10, pool_tokens=10),
 }
+
+
+@contextlib.contextmanager
+def _counting(proposed: dict):
+    """Every row's estimates made meanwhile (yielded), each proposal counted per source."""
+    made, init, propose = [], AcceptanceEstimates.__init__, AcceptanceEstimates.proposed_lookup
+
+    def counted_init(self):
+        init(self)
+        made.append(self)
+
+    def counted_propose(self, n, continuation):
+        if continuation:
+            proposed["pool" if n == POOL else "lookup"] += 1
+        propose(self, n, continuation)
+
+    AcceptanceEstimates.__init__, AcceptanceEstimates.proposed_lookup = counted_init, counted_propose
+    try:
+        yield made
+    finally:
+        AcceptanceEstimates.__init__, AcceptanceEstimates.proposed_lookup = init, propose
 
 
 def main() -> None:
@@ -43,8 +63,8 @@ def main() -> None:
     args = p.parse_args()
 
     target, tokenizer, draft = load_models(args.draft, None)
-    cost = tune(target, draft, say=print)
     base = load_decode_settings(args.decode)
+    cost = tune(target, draft, shape=base.tree, say=print)
     prompts = [render_prompt(tokenizer, [{"role": "user", "content": q.turns[0]}])
                for q in read_questions(args.prompts, args.num_prompts)]
     print(f"{len(prompts)} prompts from {args.prompts}, {args.max_new_tokens} new tokens, tree {base.tree}\n")
@@ -56,29 +76,10 @@ def main() -> None:
         proposed = {n: 0 for n in ("lookup", "pool")}
         confirmed = {n: [0, 0] for n in ("lookup", "pool")}
         for prompt in prompts:
-            session_estimates = []
-            prefill = decode.prefill
-
-            def spying_prefill(*a, **k):  # count what each source proposed and what the target kept
-                session = prefill(*a, **k)
-                session_estimates.append(session.estimates)
-                propose = session.estimates.proposed_lookup
-
-                def proposed_lookup(n, continuation):
-                    if continuation:
-                        proposed["pool" if n == POOL else "lookup"] += 1
-                    propose(n, continuation)
-
-                session.estimates.proposed_lookup = proposed_lookup
-                return session
-
-            decode.prefill = spying_prefill
-            try:
-                out = decode.generate(target, draft, prompt, args.max_new_tokens, settings, cost=cost)
-            finally:
-                decode.prefill = prefill
+            with _counting(proposed) as row_estimates:  # what each source proposed and the target kept
+                out = generate(target, draft, prompt, args.max_new_tokens, settings, cost=cost)
             new, forwards = new + len(out.tokens), forwards + out.target_forwards - 1
-            for est in session_estimates:
+            for est in row_estimates:
                 for n, (right, broken) in est.lookup.items():
                     c = confirmed["pool" if n == POOL else "lookup"]
                     c[0], c[1] = c[0] + right - 1, c[1] + broken - 1
@@ -89,7 +90,7 @@ def main() -> None:
         for name in names[i % len(names):] + names[:i % len(names)]:
             settings = replace(base, tree=TreeShape(0, 1, 1, 0), lookup=LookupSettings(0), verify="auto") \
                 if name == "plain" else replace(base, lookup=MIXES[name], verify="auto")
-            out = decode.generate(target, draft, prompt, args.max_new_tokens, settings, cost=cost)
+            out = generate(target, draft, prompt, args.max_new_tokens, settings, cost=cost)
             seconds[name] += out.wall_time
             tokens[name] += len(out.tokens)
 

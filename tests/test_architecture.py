@@ -165,7 +165,7 @@ def test_import_is_cheap_and_needs_no_accelerator_stack():
 def test_serving_never_loads_training_code():
     """What lyanna-generate and lyanna-serve import (the runtime, its loader, evaluation's prompts, the
     HTTP server) pulls in no trainer."""
-    code = ("import sys, lyanna_train.runtime.loading, lyanna_train.runtime.decode, lyanna_train.evaluation.benchmark, "
+    code = ("import sys, lyanna_train.runtime.loading, lyanna_train.runtime.scheduling.scheduler, lyanna_train.evaluation.benchmark, "
             "lyanna_train.serving.server, lyanna_train.cli.serve; "
             "print(sorted(m for m in sys.modules if m.startswith('lyanna_train.training') or m.split('.')[0] in "
             "('deepspeed', 'wandb', 'datasets')))")

@@ -41,9 +41,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="render prompts with the tokenizer's chat template (default on)")
     p.add_argument("--batch-size", metavar="B,B,...",
                    help="batched decoding at these batch sizes (e.g. 1,2,4,8,16): each size decodes max(N, B) first "
-                   "turns, all submitted at once; methods then default to target,lyanna,pool-off,lookup,single "
-                   "(target: generate with left padding; pool-off: the head without pool and α-gate; single: "
-                   "today's one-sequence runtime, at batch 1)")
+                   "turns, all submitted at once; methods then default to target,plain,lookup,head,pool-off,lyanna "
+                   "(target: generate with left padding; plain: our runtime without speculation; lookup / head: "
+                   "that source alone for every row; pool-off: the head without pool and α-gate)")
     p.add_argument("--hold", default="", metavar="K,K,...",
                    help="with --batch-size: also lyanna with verification held for K micro-batches (e.g. 2,3)")
     p.add_argument("--out", help="output directory (default checkpoints/bench-<draft>-<prompts>); replaced at the end")
@@ -160,7 +160,7 @@ def _run(args, names: list[str], settings, questions: list, out: Path) -> int:
     from ..evaluation import benchmark as B
     from ..evaluation.prompts import Question
 
-    target, tokenizer, draft, cost = load_and_tune(args, any(n in B.NEEDS_DRAFT for n in names))
+    target, tokenizer, draft, cost = load_and_tune(args, any(n in B.NEEDS_DRAFT for n in names), settings.tree)
     methods = B.make_methods(names, target, draft, settings, args.pld_tokens, cost)
 
     warm = Question("warm-up", "", questions[0].turns[:1])
@@ -209,7 +209,7 @@ def _batched_main(args) -> int:
     if not sizes:
         raise LyannaError("--batch-size needs at least one size")
     names = [m.strip() for m in args.methods.split(",") if m.strip()] if args.methods is not None else \
-        [m for m in BB.BATCH_METHODS if args.draft is not None or m in ("target", "lookup")]
+        [m for m in BB.BATCH_METHODS if args.draft is not None or m in ("target", "plain", "lookup")]
     BB.check_batch_methods(names, args.draft is not None)
     if holds and args.draft is None:
         raise LyannaError("--hold measures the lyanna method: it needs --draft EXPORT_DIR")
@@ -231,12 +231,13 @@ def _run_batched(args, names, holds, sizes, settings, questions, out: Path) -> i
     from ..evaluation.benchmark import hf_method
     from ..evaluation.prompts import render_prompt
 
-    target, tokenizer, draft, cost = load_and_tune(args, any(n != "target" and n != "lookup" for n in names) or holds)
+    target, tokenizer, draft, cost = load_and_tune(args, any(n not in ("target", "plain", "lookup") for n in names)
+                                                   or holds, settings.tree)
     methods = BB.make_batch_methods(names, target, draft, settings, cost, holds, args.pld_tokens)
     prompts = [render_prompt(tokenizer, [{"role": "user", "content": q.turns[0]}], args.chat) for q in questions]
     warm = prompts[:2]
     for name, method in methods.items():  # not counted: first calls allocate and fill caches
-        method(warm[:1] if name == "single" else warm, min(args.max_new_tokens, 8), 1 if name == "single" else 2)
+        method(warm, min(args.max_new_tokens, 8), 2)
     reference = None
     if settings.sampling.greedy:
         alone = hf_method(target, settings)

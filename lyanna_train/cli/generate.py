@@ -19,14 +19,14 @@ from ..runtime.loading import load_models
 from .common import entry_point
 
 
-def load_and_tune(args, need_draft: bool):
-    """(target, tokenizer, draft or None, the target's verify cost): the models of
-    ``--draft``/``--target``, tuned for this machine (read from the on-disk cache after the
-    first run)."""
-    from ..runtime.cpu_tuning import tune
+def load_and_tune(args, need_draft: bool, shape=None):
+    """(target, tokenizer, draft or None, the measured costs): the models of
+    ``--draft``/``--target``, tuned for this machine and for drafting trees of ``shape``
+    (read from the on-disk cache after the first run)."""
+    from ..runtime.cpu.tuning import tune
 
     target, tokenizer, draft = load_models(args.draft, args.target, need_draft, args.threads)
-    cost = tune(target, draft, linear_forms=not args.stock_linears, retune=args.retune,
+    cost = tune(target, draft, shape=shape, linear_forms=not args.stock_linears, retune=args.retune,
                 say=lambda line: print(line, file=sys.stderr, flush=True))
     return target, tokenizer, draft, cost
 
@@ -132,7 +132,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str]) -> int:
     from ..errors import LyannaError
     from ..evaluation.prompts import render_prompt
-    from ..runtime.decode import generate
+    from ..runtime.scheduling.scheduler import generate
     from ..runtime.settings import load_decode_settings
 
     args = build_parser().parse_args(argv)
@@ -140,7 +140,7 @@ def main(argv: list[str]) -> int:
         raise LyannaError("--max-new-tokens must be at least 1")
     settings = load_decode_settings(args.decode, args.overrides)
     questions = read_prompts(args)
-    target, tokenizer, draft, cost = load_and_tune(args, settings.tree.depth > 0)
+    target, tokenizer, draft, cost = load_and_tune(args, settings.tree.depth > 0, settings.tree)
     mark = ("colour" if sys.stdout.isatty() else "brackets") if args.show_acceptance else None
     total = sum(len(q.turns) for q in questions)
     done = 0

@@ -63,7 +63,7 @@ def main(argv: list[str]) -> int:
     settings = load_decode_settings(args.decode, args.overrides)
     if args.no_draft:
         settings = target_only(settings)
-    target, tokenizer, draft, cost = load_and_tune(args, not args.no_draft and settings.tree.depth > 0)
+    target, tokenizer, draft, cost = load_and_tune(args, not args.no_draft and settings.tree.depth > 0, settings.tree)
     name = model_name(args)
     app = build_app(target, tokenizer, draft, settings, name, args.max_batch, cost, args.max_tokens,
                     args.shutdown_timeout)

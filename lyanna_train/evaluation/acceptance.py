@@ -5,8 +5,8 @@ from __future__ import annotations
 from typing import Sequence
 
 from ..models.draft_head import DraftHead
-from ..runtime import decode
-from ..runtime.draft_tree import TreeShape
+from ..runtime.scheduling.scheduler import generate
+from ..runtime.settings import DecodeSettings, TreeShape
 
 
 def accept_rates(accept_lengths: Sequence[int], depth: int) -> list[float]:
@@ -19,7 +19,7 @@ def accept_rates(accept_lengths: Sequence[int], depth: int) -> list[float]:
 
 def mean_acceptance(target, draft: DraftHead, prompts: Sequence[Sequence[int]], depth: int, max_new_tokens: int,
                     eos_ids: int | Sequence[int] | None = (), layer_ids: Sequence[int] | None = None,
-                    settings: decode.DecodeSettings | None = None) -> dict:
+                    settings: DecodeSettings | None = None) -> dict:
     """Greedy decoding of each prompt (a chain of ``depth`` drafts unless ``settings`` say
     otherwise); returns
 
@@ -36,9 +36,9 @@ def mean_acceptance(target, draft: DraftHead, prompts: Sequence[Sequence[int]], 
     taus: list[int] = []
     tokens = forwards = 0
     wall = 0.0
-    settings = settings or decode.DecodeSettings(tree=TreeShape(depth, 1, 1, depth), verify="all")  # the head's τ
+    settings = settings or DecodeSettings(tree=TreeShape(depth, 1, 1, depth), verify="all")  # the head's τ
     for prompt in prompts:
-        result = decode.generate(target, draft, prompt, max_new_tokens, settings, eos_ids=eos_ids, layer_ids=layer_ids)
+        result = generate(target, draft, prompt, max_new_tokens, settings, eos_ids=eos_ids, layer_ids=layer_ids)
         taus += result.accept_lengths
         tokens += len(result.tokens)
         forwards += result.target_forwards

@@ -9,7 +9,7 @@ plus the token ids, so losslessness can be re-checked from the files alone.
 Methods: ``target`` (``target.generate``, plain decoding), ``pld`` (transformers'
 prompt-lookup decoding), ``lyanna`` (our runtime with the exported draft) and
 ``lookup`` (our runtime, prompt lookup only) all run the same target object, with the
-measured linear forms of :mod:`lyanna_train.runtime.small_linear` when the CLI set
+measured linear forms of :mod:`lyanna_train.runtime.cpu.small_linear` when the CLI set
 them up; ``stock`` is ``target.generate`` with torch's own ``nn.Linear`` (an unmodified
 transformers), for reference: its output may differ from ``target``'s by float
 summation order alone, so it is reported but not part of the lossless verdict.
@@ -26,11 +26,11 @@ from typing import Callable
 import torch
 
 from ..errors import LyannaError
-from ..runtime import decode
-from ..runtime.cost import VerifyCost
-from ..runtime.decode import DecodeSettings, LookupSettings
-from ..runtime.draft_tree import TreeShape
-from ..runtime.small_linear import stock_linears
+from ..runtime.scheduling.requests import cut, stop_ids
+from ..runtime.scheduling.scheduler import generate
+from ..runtime.pricing.cost import Costs
+from ..runtime.settings import DecodeSettings, LookupSettings, TreeShape
+from ..runtime.cpu.small_linear import stock_linears
 from .acceptance import accept_rates
 from .prompts import Question, render_prompt
 
@@ -74,7 +74,7 @@ class _Recorder:
 def generate_kwargs(target, settings: DecodeSettings) -> tuple[set[int], dict]:
     """(the stop ids our runtime uses, ``target.generate`` arguments that decode as ``settings``
     do: greedy or the same sampling, the same stop ids, a pad id)."""
-    eos = decode.stop_ids(target, None)  # the very set our runtime stops at
+    eos = stop_ids(target, None)  # the very set our runtime stops at
     pad = getattr(target.generation_config, "pad_token_id", None)
     params = settings.sampling
     extra = {"do_sample": False} if params.greedy else {
@@ -102,15 +102,15 @@ def hf_method(target, settings: DecodeSettings, prompt_lookup_tokens: int | None
             wall = time.perf_counter() - begin
         finally:
             handle.remove()
-        tokens, _ = decode.cut(out[0, len(prompt):].tolist(), eos, max_new_tokens)
+        tokens, _ = cut(out[0, len(prompt):].tolist(), eos, max_new_tokens)
         return Run(tokens, wall, len(recorder.puts) - 1, recorder.puts[2:], recorder.inputs[1:])
 
     return run
 
 
-def runtime_method(target, draft, settings: DecodeSettings, cost: VerifyCost | None = None) -> Method:
+def runtime_method(target, draft, settings: DecodeSettings, cost: Costs | None = None) -> Method:
     def run(prompt: list[int], max_new_tokens: int) -> Run:
-        result = decode.generate(target, draft, prompt, max_new_tokens, settings, cost=cost)
+        result = generate(target, draft, prompt, max_new_tokens, settings, cost=cost)
         return Run(result.tokens, result.wall_time, result.target_forwards, result.accept_lengths, result.tree_sizes)
 
     return run
@@ -130,22 +130,32 @@ def check_methods(names) -> None:
         raise LyannaError(f"bad methods {list(names)} (choose some of {', '.join(METHODS)}, each once)")
 
 
+def fixed_settings(settings: DecodeSettings, name: str, pld_tokens: int = 10) -> DecodeSettings:
+    """The decoding settings of a fixed method (``plain``, ``lookup``, ``head``, ``pool-off``)."""
+    no_tree, off = TreeShape(depth=0, max_nodes=0), LookupSettings(max_tokens=0, pool_tokens=0)
+    lookup = settings.lookup if settings.lookup.max_tokens else LookupSettings(max_tokens=pld_tokens)
+    return {
+        "plain": replace(settings, tree=no_tree, lookup=off),
+        "lookup": replace(settings, tree=no_tree, lookup=replace(lookup, pool_tokens=0)),
+        "head": replace(settings, lookup=off, verify="fit" if settings.verify == "auto" else settings.verify),
+        "pool-off": replace(settings, lookup=replace(settings.lookup, pool_tokens=0)),
+    }[name]
+
+
 def make_methods(names, target, draft, settings: DecodeSettings, pld_tokens: int = 10,
-                 cost: VerifyCost | None = None) -> dict[str, Method]:
+                 cost: Costs | None = None) -> dict[str, Method]:
     """The named methods; ``lookup`` reuses the settings' lookup (or ``pld_tokens`` when it is off);
     ``head`` is ``lyanna`` with prompt-lookup and pool candidates off: what the trained head
     alone buys. Our runtime's methods weigh candidates against ``cost``
-    (:func:`~lyanna_train.runtime.cpu_tuning.tune`)."""
+    (:func:`~lyanna_train.runtime.cpu.tuning.tune`)."""
     check_methods(names)
-    lookup = settings.lookup if settings.lookup.max_tokens else LookupSettings(max_tokens=pld_tokens)
     make = {
         "target": lambda: hf_method(target, settings),
         "stock": lambda: _stock(target, hf_method(target, settings)),
         "pld": lambda: hf_method(target, settings, prompt_lookup_tokens=pld_tokens),
         "lyanna": lambda: runtime_method(target, draft, settings, cost),
-        "head": lambda: runtime_method(target, draft, replace(settings, lookup=LookupSettings()), cost),
-        "lookup": lambda: runtime_method(target, None, replace(settings, tree=TreeShape(depth=0, max_nodes=0),
-                                                               lookup=lookup), cost),
+        "head": lambda: runtime_method(target, draft, fixed_settings(settings, "head"), cost),
+        "lookup": lambda: runtime_method(target, None, fixed_settings(settings, "lookup", pld_tokens), cost),
     }
     return {name: make[name]() for name in names}
 

@@ -1,17 +1,95 @@
-"""Decoding settings as data: ``conf/decode/<preset>.yaml`` plus ``key=value`` overrides.
+"""Every decoding setting, as data: the dataclasses, and ``conf/decode/<preset>.yaml`` plus
+``key=value`` overrides checked against them.
 
-The YAML is checked against :class:`~lyanna_train.runtime.decode.DecodeSettings` itself
-(an OmegaConf structured config), so a misspelt key or a value of the wrong type stops
-with one line naming it instead of being silently ignored.
+The YAML is checked against :class:`DecodeSettings` itself (an OmegaConf structured
+config), so a misspelt key or a value of the wrong type stops with one line naming it
+instead of being silently ignored; each dataclass checks its own ranges.
 """
 
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
 from pathlib import Path
 
 from ..configs import decode_dir
 from ..errors import LyannaError
+
+
+@dataclass(frozen=True)
+class TreeShape:
+    """The head's candidate tree: EAGLE-2's expand-then-rerank with static widths."""
+
+    depth: int = 5  # levels below the root
+    branch: int = 1  # children scored per expanded node (top-k)
+    beam: int = 1  # nodes expanded per level
+    max_nodes: int = 5  # drafted nodes kept (the root excluded)
+    min_prob: float = 0.0  # stop drafting deeper once no node of a level is this likely
+
+    def __post_init__(self):
+        if self.depth < 0 or self.branch < 1 or self.beam < 1 or self.max_nodes < 0 or not 0 <= self.min_prob < 1:
+            raise ValueError(f"need depth >= 0, branch >= 1, beam >= 1, max_nodes >= 0, min_prob in [0, 1), got {self}")
+
+
+@dataclass(frozen=True)
+class LookupSettings:
+    """Prompt-lookup candidates beside the draft's (max_tokens 0 = off)."""
+
+    max_tokens: int = 0  # continuation length proposed
+    max_ngram: int = 3  # longest context suffix matched
+    branches: int = 1  # distinct continuations (most recent matches first)
+    pool_tokens: int = 0  # continuation after the most similar pooled draft state (0 = off; :mod:`.drafting.pool_lookup`)
+
+    def __post_init__(self):
+        if min(self.max_tokens, self.pool_tokens) < 0 or self.max_ngram < 1 or self.branches < 1:
+            raise ValueError(f"need max_tokens >= 0, pool_tokens >= 0, max_ngram >= 1 and branches >= 1, got {self}")
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """temperature 0 means greedy; top_k 0 and top_p 1 mean off."""
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+
+    def __post_init__(self):
+        if self.temperature < 0 or self.top_k < 0 or not 0 < self.top_p <= 1:
+            raise ValueError(f"need temperature >= 0, top_k >= 0 and top_p in (0, 1], got {self}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+@dataclass(frozen=True)
+class FusionSettings:
+    """How the scheduler fuses verification across rows."""
+
+    micro_batches: int = 1  # 1: verify every running row every iteration; k > 1: hold until k blocks are drafted
+    shallow_first: bool = False  # under the fused token budget, admit nodes by depth before probability
+
+    def __post_init__(self):
+        if self.micro_batches < 1:
+            raise ValueError(f"micro_batches must be at least 1, got {self.micro_batches}")
+
+
+@dataclass(frozen=True)
+class DecodeSettings:
+    tree: TreeShape = TreeShape()
+    lookup: LookupSettings = LookupSettings()
+    sampling: SamplingParams = SamplingParams()
+    seed: int = 0  # of the sampling generator
+    # "auto": each iteration, each row verifies what maximises the batch's expected tokens
+    # per second of measured draft + verify time, the head drafting only for the rows where
+    # it pays (:mod:`.pricing.policy`); "fit": the head drafts for every row, each verifies
+    # what pays; "all": every row drafts and verifies every candidate
+    verify: str = "auto"
+    fusion: FusionSettings = FusionSettings()  # last: positional callers keep their meaning
+
+    def __post_init__(self):
+        if self.verify not in ("auto", "fit", "all"):
+            raise ValueError(f"verify must be 'auto', 'fit' or 'all', not {self.verify!r}")
 
 
 def presets() -> list[str]:
@@ -56,8 +134,6 @@ def load_decode_settings(preset: str = "default", overrides: list[str] | tuple =
     """``preset`` (name or YAML path) + dotlist ``overrides`` (``tree.depth=6``) -> DecodeSettings."""
     from omegaconf import OmegaConf
     from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
-
-    from .decode import DecodeSettings
 
     path = preset_path(preset)
     schema = OmegaConf.structured(DecodeSettings)

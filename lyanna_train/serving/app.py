@@ -21,7 +21,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
-from ..runtime.sampling import SamplingParams
+from ..runtime.settings import SamplingParams
 from .engine import Engine, Job
 from .metrics import CONTENT_TYPE
 from .protocol import (FINISH_REASONS, ChatRequest, CompletionRequest, Envelope, ServingError, error_body, usage)

@@ -17,9 +17,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..runtime.requests import Request, Status
-from ..runtime.sampling import SamplingParams
-from ..runtime.scheduler import BatchDecoder
+from ..runtime.scheduling.requests import Request, Status
+from ..runtime.settings import SamplingParams
+from ..runtime.scheduling.scheduler import BatchDecoder
 from .metrics import ServingMetrics
 
 log = logging.getLogger("lyanna_train.serving")

@@ -15,9 +15,8 @@ import threading
 
 import uvicorn
 
-from ..runtime.decode import DecodeSettings
-from ..runtime.draft_tree import TreeShape
-from ..runtime.scheduler import BatchDecoder
+from ..runtime.settings import DecodeSettings, TreeShape
+from ..runtime.scheduling.scheduler import BatchDecoder
 from .app import ServedModel, create_app
 from .engine import Engine
 from .metrics import ServingMetrics

@@ -15,6 +15,7 @@ import torch
 from ..atomic import atomic_directory
 from ..errors import LyannaError
 from .loading import REMOTE_CODE_REFUSED, TargetRef, refuses_remote_code, resolve_target
+from .support import check_target_config, check_target_model
 
 # Config fields that decide the shapes and the numerics of a forward pass; anything
 # else (generation defaults, names, paths) may differ between copies of one target.
@@ -74,10 +75,29 @@ def model_dir(ref: TargetRef) -> str:
     return str(cached)
 
 
-def load_target_model(spec_or_ref: str | TargetRef, dtype: torch.dtype = torch.float32):
-    """The target as an eval-mode ``*ForCausalLM`` with gradients off (it is never trained)."""
+def _check_config(ref: TargetRef, path: str) -> None:
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(path, local_files_only=True, trust_remote_code=False)
+    except Exception:  # noqa: BLE001 - from_pretrained words the same failure below, in one line
+        return
+    try:
+        check_target_config(config)
+    except LyannaError as err:
+        raise LyannaError(f"{ref.spec}: {err}") from None
+
+
+def load_target_model(spec_or_ref: str | TargetRef, dtype: torch.dtype = torch.float32,
+                      attn_implementation: str | None = None):
+    """The target as an eval-mode ``*ForCausalLM`` with gradients off (it is never trained).
+    ``attn_implementation``: transformers' choice when None (SDPA where the model has it)."""
     ref = _resolve(spec_or_ref)
-    model = _from_pretrained(ref, model_dir(ref), dtype)
+    path = model_dir(ref)
+    _check_config(ref, path)  # before the weights: an unsupported 7B target is refused in a second
+    extra = {"attn_implementation": attn_implementation} if attn_implementation else {}
+    model = _from_pretrained(ref, path, dtype, **extra)
+    check_target_model(model)
     model.eval()
     model.requires_grad_(False)
     return model

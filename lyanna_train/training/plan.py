@@ -61,16 +61,19 @@ def target_config(spec: str):
     from transformers import AutoConfig
 
     from ..target.loading import resolve_target
+    from ..target.support import check_target_config
 
     try:
         ref = resolve_target(spec)
         extra = {"gguf_file": ref.gguf_file} if ref.gguf_file else {}  # read from the GGUF header
-        return AutoConfig.from_pretrained(ref.path, local_files_only=True, **extra)
+        config = AutoConfig.from_pretrained(ref.path, local_files_only=True, **extra)
     except LyannaError as err:
         raise LyannaError(f"cannot read the config of target {spec}: {err}") from None
     except Exception as err:  # noqa: BLE001 - transformers raises many types
         first = (str(err).strip().splitlines() or [type(err).__name__])[0][:160]
         raise LyannaError(f"cannot read the config of target {spec}: {first}") from None
+    check_target_config(config)  # what the draft is built from must exist (a GPT-2 config has no intermediate_size)
+    return config
 
 
 def _meta_params(config) -> int:

@@ -9,7 +9,7 @@ import pytest
 
 from lyanna_train.cli.bench import main as bench_main
 from lyanna_train.evaluation import batched as BB
-from lyanna_train.runtime.batch_draft_step import BatchDraftState
+from lyanna_train.runtime.drafting.state import BatchDraftState
 from lyanna_train.runtime.loading import without_pool
 
 from .test_generate_bench import H, QUESTIONS, export_dir, prompts_file, target, tokenizer  # noqa: F401 (fixtures)
@@ -32,13 +32,13 @@ def test_batched_bench_measures_every_method_at_every_size(tmp_path, export_dir,
     assert bench_main(argv) == 0
     printed = capsys.readouterr().out
     assert "| batch | method | requests | new tokens | tok/s | vs target | tok/CPU-s | vs target (CPU) | latency" in printed
-    assert "batch 1: lyanna/target" in printed and "lyanna/single" in printed and "lossless: yes" in printed
+    assert "batch 1: lyanna/target" in printed and "lyanna/best fixed" in printed and "lossless: yes" in printed
     assert {p.name for p in out.iterdir()} == {"summary.json", "summary.md", "batched.png"}
     summary = json.loads((out / "summary.json").read_text())
     results = summary["results"]
     assert set(results) == {"1", "3"}
-    assert set(results["1"]) == {"target", "lyanna", "pool-off", "lookup", "single", "lyanna-hold2"}
-    assert "single" not in results["3"]
+    assert set(results["1"]) == set(results["3"]) == {"target", "plain", "lookup", "head", "pool-off", "lyanna",
+                                                      "lyanna-hold2"}
     assert [results["1"]["lyanna"]["requests"], results["3"]["lyanna"]["requests"]] == [2, 3]  # max(N, B) prompts
     for rows in results.values():
         assert rows["target"]["vs_target"] == 1.0
@@ -47,7 +47,7 @@ def test_batched_bench_measures_every_method_at_every_size(tmp_path, export_dir,
             assert s["new_tokens"] == 8 * s["requests"]  # eos_token_id None: every request runs to its budget
             assert 0 < s["latency_p50"] <= s["latency_p95"] <= s["wall_time"] + 1e-6
             assert s["tau"] >= 1.0 and s["cpu_time"] > 0
-    assert summary["decode"]["fusion"] == {"micro_batches": 1, "shallow_first": False, "draft_backoff": 8}
+    assert summary["decode"]["fusion"] == {"micro_batches": 1, "shallow_first": False}
 
 
 @pytest.mark.parametrize("flags, message", [

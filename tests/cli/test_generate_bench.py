@@ -19,7 +19,8 @@ from lyanna_train.cli.generate import RunStreamer, main as generate_main
 from lyanna_train.errors import LyannaError
 from lyanna_train.evaluation import benchmark as B
 from lyanna_train.evaluation.prompts import Question, read_questions, render_prompt
-from lyanna_train.runtime.decode import DecodeSettings, GenerationResult
+from lyanna_train.runtime.scheduling.requests import Request, Status
+from lyanna_train.runtime.settings import DecodeSettings, SamplingParams
 from ..tiny_models import H, byte_level_tokenizer, tiny_llama  # H: also test_batched_bench's
 
 QUESTIONS = [{"question_id": 1, "category": "writing", "turns": ["Write about tea.", "Now shorter."]},
@@ -313,7 +314,10 @@ def test_streamer_never_prints_half_a_character(tokenizer, mark):
 def test_summary_line_reports_speed_tau_and_histogram():
     from lyanna_train.cli.generate import summary_line
 
-    result = GenerationResult(tokens=list(range(10)), accept_lengths=[1, 3, 3, 2], target_forwards=5, wall_time=2.0)
+    result = Request(1, [1], 10, SamplingParams(), 0, frozenset(), tokens=list(range(10)), accept_lengths=[1, 3, 3, 2],
+                     target_forwards=5)
+    result.finished_at = result.submitted_at + 2.0
+    result.status = Status.FINISHED
     line = summary_line(result)
     assert "10 new tokens" in line and "5.0 tok/s" in line and "τ 2.00" in line and "0:1 1:1 2:2" in line
 

@@ -6,10 +6,11 @@ import math
 
 import pytest
 
-from lyanna_train.runtime import decode
+from lyanna_train.evaluation import acceptance
 from lyanna_train.evaluation.acceptance import mean_acceptance
+from lyanna_train.runtime.drafting import propose
 
-from ..runtime.conftest import LAYER_IDS, greedy_reference, make_draft, oracle_tree
+from ..runtime.conftest import LAYER_IDS, greedy_reference, make_draft, oracle_trees
 
 PROMPTS = [[1, 5, 9, 200, 31], [1, 77, 78]]
 
@@ -31,15 +32,15 @@ def test_random_draft_gives_consistent_figures(tiny_target):
 def test_oracle_draft_is_accepted_at_every_depth(tiny_target, monkeypatch):
     depth, new = 3, 13
     fulls = {tuple(p): p + greedy_reference(tiny_target, p, new + depth + 1) for p in PROMPTS}
-    current = {}  # the oracle of the prompt being decoded
-    real_generate = decode.generate
+    current = {}  # the continuation of the prompt being decoded
+    real_generate = acceptance.generate
 
     def generate(target, draft, prompt, *args, **kwargs):
-        current["oracle"] = oracle_tree(fulls[tuple(prompt)])
+        current["full"] = fulls[tuple(prompt)]
         return real_generate(target, draft, prompt, *args, **kwargs)
 
-    monkeypatch.setattr(decode, "draft_tree", lambda *args: current["oracle"](*args))
-    monkeypatch.setattr(decode, "generate", generate)
+    monkeypatch.setattr(propose, "draft_trees", oracle_trees(lambda slot: (current["full"], 0)))
+    monkeypatch.setattr(acceptance, "generate", generate)
     stats = mean_acceptance(tiny_target, make_draft(tiny_target, False), PROMPTS, depth, new, layer_ids=LAYER_IDS)
     iterations = math.ceil((new - 1) / (depth + 1))  # 3 per prompt
     assert stats["accept_rate"] == [1.0] * depth and stats["mean_tau_verify"] == depth + 1

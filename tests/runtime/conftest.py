@@ -68,23 +68,31 @@ def greedy_reference(target, prompt: list[int], max_new_tokens: int, eos=None) -
     return out[0, len(prompt):].tolist()
 
 
-def oracle_tree(full: list[int], good=None, decoys: int = 0):
-    """A stand-in for ``draft_tree`` that drafts the true continuation ``full`` (prompt +
-    greedy tokens) as a chain of ``shape.depth``: all of it right, or only ``good(i)``
-    tokens at iteration i, then wrong ones. With ``decoys``, every chain node gets that
-    many wrong siblings inserted before it, so the accepted path is not a prefix of the
-    node order and the caches must be gathered, not just cropped."""
-    calls = []
+def oracle_trees(full_for, good=None, decoys: int = 0):
+    """A stand-in for the head's ``draft_trees`` (patch it into
+    ``lyanna_train.runtime.drafting.propose``) that drafts each row's true continuation as
+    a chain of ``shape.depth``: all of it right, or only ``good(key, i)`` tokens at that
+    row's i-th drafting, then wrong ones. ``full_for(slot) -> (full, key)``: the row's
+    prompt + greedy tokens, and a name for its schedule. With ``decoys``, every chain node
+    gets that many wrong siblings inserted before it, so the accepted path is not a prefix
+    of the node order and the caches must be gathered, not just cropped. ``calls[key]``:
+    the tokens accepted at each drafting (where the draft's guesses start)."""
+    calls: dict = {}
 
-    def draft_tree(draft, state, tree, shape):
-        n = state.anchor_pos + 2  # tokens accepted so far: the draft guesses x_n onwards
-        right = shape.depth if good is None else min(good(len(calls)), shape.depth)
-        add_oracle_chain(tree, full, n, right, shape.depth, decoys)
-        calls.append(n)
-        return []
+    def draft_trees(draft, state, rows, trees, shape):
+        for slot, tree in zip(range(rows.start, rows.stop), trees):
+            if tree is None:
+                continue
+            full, key = full_for(slot)
+            n = state.anchor_pos[slot] + 2  # tokens accepted so far: the draft guesses x_n onwards
+            seen = calls.setdefault(key, [])
+            right = shape.depth if good is None else min(good(key, len(seen)), shape.depth)
+            seen.append(n)
+            add_oracle_chain(tree, full, n, right, shape.depth, decoys)
+        return [[] for _ in trees]
 
-    draft_tree.calls = calls
-    return draft_tree
+    draft_trees.calls = calls
+    return draft_trees
 
 
 # The prompts the runtime tests decode; the fitted drafts memorise the target's greedy

@@ -1,22 +1,20 @@
 """Batched speculative decoding on a tiny random Llama: every row gets exactly what
 target.generate gives that prompt alone -- ragged prompts, every tree shape, lookup and
 pool candidates on and off, rows finishing at different steps, joining mid-run, reusing
-freed slots, cancelled, refused -- and batch 1 through the scheduler is the batch-1 runtime."""
+freed slots, cancelled, refused -- and the speculation policy's choices per row, all lossless."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from lyanna_train.runtime import batch_draft_step, batch_step, decode
-from lyanna_train.runtime.cost import VerifyCost, best_count, best_width
-from lyanna_train.runtime.decode import DecodeSettings, LookupSettings
-from lyanna_train.runtime.draft_tree import TreeShape
-from lyanna_train.runtime.requests import Status
-from lyanna_train.runtime.scheduler import BatchDecoder, FusionSettings, generate_batch
-from lyanna_train.runtime.tree import TokenTree
+from lyanna_train.runtime.drafting import propose
+from lyanna_train.runtime.pricing.cost import Costs, DraftCost, VerifyCost, best_count, best_width
+from lyanna_train.runtime.scheduling.requests import Status
+from lyanna_train.runtime.scheduling.scheduler import BatchDecoder, generate_batch
+from lyanna_train.runtime.settings import DecodeSettings, FusionSettings, LookupSettings, TreeShape
 
-from .conftest import LAYER_IDS, V, add_oracle_chain, greedy_reference, make_draft
+from .conftest import LAYER_IDS, V, greedy_reference, make_draft, oracle_trees
 
 PROMPTS = [[1, 17, 200, 5, 99, 42, 7, 130, 64], [1], [1, 250, 3, 3, 3, 3, 8, 160, 77, 21, 90, 45, 12, 199, 31, 2],
            [1, 5, 6, 7, 5, 6, 7, 5, 6], [1, 33, 34]]
@@ -66,7 +64,7 @@ def test_lookup_alone_and_plain_decoding_are_lossless(tiny_target, references):
 def test_held_verification_is_lossless(tiny_target, references, fusion):
     settings = DecodeSettings(TreeShape(3, 2, 2, 6), LookupSettings(4, pool_tokens=4), verify="auto")
     steep = VerifyCost([1, 8, 64], [1.0, 1.6, 9.0])  # widths vary with the rows' confidence and count
-    requests = _decode(tiny_target, make_draft(tiny_target, True), settings, max_batch=4, fusion=fusion, cost=steep)
+    requests = _decode(tiny_target, make_draft(tiny_target, True), settings, max_batch=4, fusion=fusion, cost=Costs(steep, DraftCost.free()))
     assert [r.tokens for r in requests] == references
 
 
@@ -75,7 +73,7 @@ def test_auto_widths_stay_lossless_and_follow_the_batch(tiny_target, references)
     from iteration to iteration, outputs do not."""
     steep = VerifyCost([1, 4, 16, 64], [1.0, 1.1, 2.0, 8.0])
     settings = DecodeSettings(TreeShape(3, 3, 2, 8), LookupSettings(6, pool_tokens=6), verify="auto")
-    requests = _decode(tiny_target, make_draft(tiny_target, True), settings, max_batch=3, cost=steep)
+    requests = _decode(tiny_target, make_draft(tiny_target, True), settings, max_batch=3, cost=Costs(steep, DraftCost.free()))
     assert [r.tokens for r in requests] == references
     assert len({size for r in requests for size in r.tree_sizes}) > 2
 
@@ -92,22 +90,13 @@ def test_best_width_weighs_the_batchs_total_tokens():
 
 
 def _batch_oracle(decoder, fulls: dict, good=None, decoys: int = 2):
-    """A stand-in for the batched draft_trees: each row drafts the true continuation of its
-    prompt as a chain (``good(row, i)`` right tokens at its i-th iteration, then wrong ones),
-    every chain node behind ``decoys`` wrong siblings, so accepted paths are not prefixes."""
-    calls = {}
+    """The oracle drafting each row's true continuation (``good(request id, i)`` right
+    tokens at its i-th drafting), every chain node behind ``decoys`` wrong siblings."""
+    def full_for(slot):
+        row = decoder.rows[slot]
+        return fulls[tuple(row.request.prompt)], row.request.id
 
-    def draft_trees(draft, state, rows, trees, shape):
-        for row, tree in zip(decoder.rows[rows], trees):
-            full = fulls[tuple(row.request.prompt)]
-            n = row.length
-            i = calls.setdefault(row.request.id, 0)
-            right = shape.depth if good is None else min(good(row.request.id, i), shape.depth)
-            calls[row.request.id] = i + 1
-            add_oracle_chain(tree, full, n, right, shape.depth, decoys)
-        return [[] for _ in trees]
-
-    return draft_trees
+    return oracle_trees(full_for, good, decoys)
 
 
 def test_rows_accepting_different_counts_roll_back_each_to_its_own_cut(tiny_target, monkeypatch):
@@ -116,7 +105,7 @@ def test_rows_accepting_different_counts_roll_back_each_to_its_own_cut(tiny_targ
     schedules = {rid: [(rid * 3 + i) % (depth + 1) for i in range(40)] for rid in range(1, 6)}
     decoder = BatchDecoder(tiny_target, make_draft(tiny_target, True), DecodeSettings(TreeShape(depth, 1, 1, depth),
                            verify="all"), max_batch=3, eos_ids=(), layer_ids=LAYER_IDS)
-    monkeypatch.setattr(batch_step, "draft_trees", _batch_oracle(decoder, fulls, lambda rid, i: schedules[rid][i]))
+    monkeypatch.setattr(propose, "draft_trees", _batch_oracle(decoder, fulls, lambda rid, i: schedules[rid][i]))
     requests = [decoder.submit(p, n) for p, n in zip(PROMPTS, MAX_NEW)]
     for _ in decoder.run():
         pass
@@ -165,18 +154,6 @@ def test_a_single_slot_is_reused_request_after_request(tiny_target, references):
     assert [r.tokens for r in requests] == references
     finished = sorted(requests, key=lambda r: r.finished_at)
     assert [r.id for r in finished] == [1, 2, 3, 4, 5]  # one at a time, in order
-
-
-def test_batch1_through_the_scheduler_is_the_batch1_runtime(tiny_target):
-    """Same trees, same acceptance, same tokens: the batch-1 path is the B = 1 case."""
-    draft = make_draft(tiny_target, True)
-    settings = DecodeSettings(TreeShape(3, 3, 2, 8), LookupSettings(4, branches=2, pool_tokens=4), verify="all")
-    for prompt, n in zip(PROMPTS, MAX_NEW):
-        alone = decode.generate(tiny_target, draft, prompt, n, settings, eos_ids=(), layer_ids=LAYER_IDS)
-        [batched] = generate_batch(tiny_target, draft, [prompt], n, settings, max_batch=1, eos_ids=(),
-                                   layer_ids=LAYER_IDS)
-        assert batched.tokens == alone.tokens
-        assert (batched.accept_lengths, batched.tree_sizes) == (alone.accept_lengths, alone.tree_sizes)
 
 
 def test_bad_requests_fail_alone_with_a_clear_error(tiny_target, references):
@@ -275,42 +252,3 @@ def test_a_request_cancelled_mid_hold_cycle_frees_its_slot_after_the_cycle(tiny_
     assert victim.tokens == references[1][:seen]
     assert [requests[i].tokens for i in (0, 2, 3)] == [references[i] for i in (0, 2, 3)]
     assert decoder.batch.cache.lengths == [0, 0, 0]
-
-
-def test_draft_backoff_waits_longer_while_drafting_does_not_pay():
-    root_only, verified = [TokenTree.rooted_at(1)], [TokenTree.rooted_at(1)]
-    verified[0].add(0, 2, 0.5)
-    backoff, pattern = batch_step.DraftBackoff(most=4), []
-    for fitted in [root_only] * 5 + [verified, root_only]:
-        while not backoff.draft_now():  # iterations proposing without the draft tree
-            pattern.append(0)
-        pattern.append(1)
-        backoff.observe(fitted)
-    assert pattern == [1, 0, 1, 0, 0, 1, 0, 0, 0, 0, 1, 0, 0, 0, 0, 1, 0, 0, 0, 0, 1, 1]
-    never = batch_step.DraftBackoff(most=0)
-    never.draft_now()
-    never.observe(root_only)
-    assert all(never.draft_now() for _ in range(3))
-
-
-def test_drafting_backs_off_where_no_candidate_can_pay_and_stays_lossless(tiny_target, references, monkeypatch):
-    """A verify cost under which no extra token ever pays: the fitted trees are roots only,
-    so the draft tree is skipped most iterations (backoff) or drafted every one (off)."""
-    calls, step0 = [], []
-    real = batch_step.draft_trees
-    monkeypatch.setattr(batch_step, "draft_trees", lambda *a: calls.append(1) or real(*a))
-    real_extend = batch_draft_step.extend_rows
-    for module in (batch_step, batch_draft_step):  # the eager path and the backlog's catch-up
-        monkeypatch.setattr(module, "extend_rows", lambda *a: step0.append(1) or real_extend(*a))
-    steep = VerifyCost([1, 64], [1.0, 1000.0])
-    settings = DecodeSettings(TreeShape(2, 2, 1, 4), LookupSettings(4, pool_tokens=4), verify="auto")
-    drafted, extended = {}, {}
-    for most in (0, 8):
-        calls.clear(), step0.clear()
-        requests = _decode(tiny_target, make_draft(tiny_target, True), settings, cost=steep,
-                           fusion=FusionSettings(draft_backoff=most))
-        assert [r.tokens for r in requests] == references
-        assert {s for r in requests for s in r.tree_sizes} == {1}
-        drafted[most], extended[most] = len(calls), len(step0)
-    assert drafted[8] < drafted[0] / 3
-    assert extended[8] < extended[0] / 2  # step 0 waits in the backlog while drafting is skipped

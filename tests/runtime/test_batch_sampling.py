@@ -7,11 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lyanna_train.runtime import batch_step
-from lyanna_train.runtime.decode import DecodeSettings
-from lyanna_train.runtime.draft_tree import TreeShape
-from lyanna_train.runtime.sampling import SamplingParams, warp_probs
-from lyanna_train.runtime.scheduler import BatchDecoder
+from lyanna_train.runtime.drafting import propose
+from lyanna_train.runtime.scheduling.scheduler import BatchDecoder
+from lyanna_train.runtime.settings import DecodeSettings, SamplingParams, TreeShape
+from lyanna_train.runtime.verification.sampling import warp_probs
 
 from .conftest import LAYER_IDS, greedy_reference, make_draft
 from .test_sampling import _within_noise
@@ -33,16 +32,21 @@ def _likely_oracle(decoder, follow: dict[int, list[int]]):
 
     def draft_trees(draft, state, rows, trees, shape):
         for row, tree in zip(decoder.rows[rows], trees):
+            if tree is None:  # not drafting this iteration
+                continue
             likely = follow[row.last_token]
-            nodes = [tree.add(0, likely[i]) for i in (1, 0, 3)]
-            tree.add(nodes[1], likely[2])
+            nodes = [tree.add(0, likely[i], 0.3) for i in (1, 0, 3)]  # the chances a verify weighs
+            tree.add(nodes[1], likely[2], 0.1)
         return [[] for _ in trees]
 
     return draft_trees
 
 
 @pytest.mark.slow  # ~3,000 sampled requests
-def test_rows_with_different_temperatures_keep_their_own_distributions(tiny_target, monkeypatch):
+@pytest.mark.parametrize("policy", ["all", "every-other-row"])
+def test_rows_with_different_temperatures_keep_their_own_distributions(tiny_target, monkeypatch, policy):
+    """``every-other-row``: the speculation policy drafts for every other row (the others
+    verify their own token only), rows of both kinds in every fused forward."""
     logits1 = _next_logits(tiny_target, PROMPT)
     support = torch.topk(logits1, K).indices.tolist()
     logits2 = {x1: _next_logits(tiny_target, PROMPT + [x1]) for x1 in support}
@@ -55,8 +59,9 @@ def test_rows_with_different_temperatures_keep_their_own_distributions(tiny_targ
                                    torch.zeros_like(p1) for x1 in range(p1.shape[0])])
 
     decoder = BatchDecoder(tiny_target, make_draft(tiny_target, True), DecodeSettings(TreeShape(1, 1, 1, 1),
-                           verify="all"), max_batch=12, eos_ids=(), layer_ids=LAYER_IDS)
-    monkeypatch.setattr(batch_step, "draft_trees", _likely_oracle(decoder, follow))
+                           verify="all" if policy == "all" else "auto"), max_batch=12, eos_ids=(), layer_ids=LAYER_IDS)
+    monkeypatch.setattr(propose, "draft_trees", _likely_oracle(decoder, follow))
+    monkeypatch.setattr(propose, "choose_drafting", lambda free, *_, **__: [i % 2 == 0 for i in range(len(free))])
     trials = 1500
     requests = {name: [] for name in (*GROUPS, "greedy")}
     for i in range(trials):  # interleaved: every fused forward mixes both temperatures and a greedy row
@@ -72,11 +77,12 @@ def test_rows_with_different_temperatures_keep_their_own_distributions(tiny_targ
     for name in GROUPS:
         counts = torch.zeros_like(joint[name])
         for r in requests[name]:
-            assert len(r.tokens) == 2 and r.tree_sizes == [5]  # the candidates were verified
+            assert len(r.tokens) == 2 and r.tree_sizes[0] in ((5,) if policy == "all" else (1, 5))
             counts[r.tokens[0], r.tokens[1]] += 1
             accepted += r.accept_lengths[0] > 1
         _within_noise(counts.flatten(), joint[name].flatten(), trials)
-    assert 0.2 * len(GROUPS) * trials < accepted < 0.9 * len(GROUPS) * trials  # candidates both taken and refused
+    share = 1.0 if policy == "all" else 0.5  # the rows whose candidates were verified
+    assert 0.2 * share * len(GROUPS) * trials < accepted < 0.9 * share * len(GROUPS) * trials  # taken and refused
 
 
 def test_requests_sampled_with_the_same_seed_agree_and_other_seeds_differ(tiny_target):

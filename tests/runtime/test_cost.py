@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from lyanna_train.runtime.cost import VerifyCost, best_count
+from lyanna_train.runtime.pricing.cost import VerifyCost, best_count
 
 CPU_LIKE = VerifyCost([1, 2, 8, 16, 32], [0.039, 0.057, 0.059, 0.069, 0.094])
 
@@ -27,8 +27,8 @@ def test_speculates_only_when_it_pays():
 
 
 def test_acceptance_estimates_learn_from_what_the_target_confirms():
-    from lyanna_train.runtime.cost import AcceptanceEstimates
-    from lyanna_train.runtime.tree import TokenTree
+    from lyanna_train.runtime.pricing.estimates import AcceptanceEstimates, POOL
+    from lyanna_train.runtime.verification.tree import TokenTree
 
     est = AcceptanceEstimates()
     assert est.lookup_probs(2, 3) == [0.5, 0.25, 0.125]  # prior 1/2 per token
@@ -37,7 +37,6 @@ def test_acceptance_estimates_learn_from_what_the_target_confirms():
     est.update(TokenTree.rooted_at(1), [5, 6, 7, 9])
     assert est.lookup_rate(2) == (1 + 3) / (1 + 3 + 1 + 1) and est.lookup_rate(3) == 0.5
     # lookup and pool proposals in the same iteration are counted apart
-    from lyanna_train.runtime.cost import POOL
     est.proposed_lookup(3, [5, 0])
     est.proposed_lookup(POOL, [5, 6])
     est.proposed_lookup(1, [])  # nothing proposed: nothing counted

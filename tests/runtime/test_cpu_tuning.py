@@ -10,12 +10,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from lyanna_train.runtime import cpu_tuning, decode
-from lyanna_train.runtime.cost import VerifyCost
-from lyanna_train.runtime.cpu_tuning import choose_forms, tune, tuning_key, tuning_path
-from lyanna_train.runtime.decode import DecodeSettings, LookupSettings
-from lyanna_train.runtime.draft_tree import TreeShape
-from lyanna_train.runtime.small_linear import MAX_ROWS, small_batch_forms
+from lyanna_train.runtime.cpu import tuning as cpu_tuning
+
+from lyanna_train.runtime.scheduling.scheduler import generate
+from lyanna_train.runtime.pricing.cost import Costs, DraftCost, VerifyCost
+from lyanna_train.runtime.cpu.tuning import choose_forms, tune, tuning_key, tuning_path
+from lyanna_train.runtime.settings import DecodeSettings, LookupSettings, TreeShape
+from lyanna_train.runtime.cpu.small_linear import MAX_ROWS, small_batch_forms
 
 from .conftest import LAYER_IDS, drafted_tokens, greedy_reference, make_draft
 
@@ -63,7 +64,7 @@ def test_tuning_is_cached_per_machine_torch_and_target(tiny_target, cache_home, 
     assert path.parent == cache_home / "cpu_tuning" and path.is_file() and "timing" in lines[0]
     stored = json.loads(path.read_text())
     assert stored["key"]["torch"] == torch.__version__ and stored["key"]["threads"] == torch.get_num_threads()
-    assert stored["key"]["target"]["fingerprint"].startswith("sha256:") and stored["seconds"] == cost.seconds
+    assert stored["key"]["target"]["fingerprint"].startswith("sha256:") and stored["seconds"] == cost.verify.seconds
     chosen = (list(small_batch_forms(target)), list(small_batch_forms(draft)))
 
     # a fresh copy of the same models: read back, nothing timed, the same forms and cost
@@ -72,7 +73,7 @@ def test_tuning_is_cached_per_machine_torch_and_target(tiny_target, cache_home, 
     again, again_draft = copy.deepcopy(tiny_target), make_draft(tiny_target, pool=True)
     lines.clear()
     cached = tune(again, again_draft, say=lines.append)
-    assert cached.seconds == cost.seconds and "read from" in lines[0]
+    assert cached.verify.seconds == cost.verify.seconds and "read from" in lines[0]
     assert (small_batch_forms(again), small_batch_forms(again_draft)) == chosen
 
     # another thread count, another target or a stock-linear run is another key
@@ -111,10 +112,32 @@ def test_decoding_times_nothing_and_weighs_the_given_cost(tiny_target, tiny_fitt
     expected = greedy_reference(target, [1, 17, 200, 5, 99], 20)
     monkeypatch.setattr(cpu_tuning, "target_timer", _no_timing)
     settings = DecodeSettings(TreeShape(2, 2, 2, 4), LookupSettings(4))  # verify: auto
-    flat = decode.generate(target, draft, [1, 17, 200, 5, 99], 20, settings, eos_ids=(), layer_ids=LAYER_IDS)
-    steep = VerifyCost([1, 2], [1.0, 100.0])  # any second token costs 100x: never worth verifying
-    plain = decode.generate(target, draft, [1, 17, 200, 5, 99], 20, settings, eos_ids=(), layer_ids=LAYER_IDS,
-                            cost=steep)
+    flat = generate(target, draft, [1, 17, 200, 5, 99], 20, settings, eos_ids=(), layer_ids=LAYER_IDS)
+    steep = Costs(VerifyCost([1, 2], [1.0, 100.0]), DraftCost.free())  # a second token costs 100x: never pays
+    plain = generate(target, draft, [1, 17, 200, 5, 99], 20, settings, eos_ids=(), layer_ids=LAYER_IDS, cost=steep)
     assert flat.tokens == plain.tokens == expected
     assert max(flat.tree_sizes) > 1 and set(plain.tree_sizes) == {1}
     assert drafted_tokens(flat) >= 5 and drafted_tokens(plain) == 0  # the flat cost verifies, and keeps, draft nodes
+
+
+def test_the_draft_cost_is_timed_per_tree_shape_and_kept(tiny_target, cache_home, monkeypatch):
+    """A drafting iteration is timed per row count for the decoding's tree shape, stored
+    beside the verify cost; the same shape is read back, a new shape times only itself."""
+    target, draft = copy.deepcopy(tiny_target), make_draft(tiny_target, pool=True)
+    shape = TreeShape(2, 2, 2, 4)
+    timed = []
+    real = cpu_tuning.time_drafting
+    monkeypatch.setattr(cpu_tuning, "time_drafting", lambda d, s, rows: timed.append((s, rows)) or real(d, s, rows))
+    costs = tune(target, draft, shape=shape)
+    assert [rows for _, rows in timed] == list(cpu_tuning.DRAFT_ROWS)
+    assert costs.draft(0) == 0.0 and 0 < costs.draft(1) and costs.draft(16) >= costs.draft(1) * 0.5
+    stored = json.loads(tuning_path(tuning_key(target, draft, True)).read_text())
+    assert len(stored["draft_costs"]) == 1
+    timed.clear()
+    monkeypatch.setattr(cpu_tuning, "target_timer", _no_timing)
+    again = tune(copy.deepcopy(tiny_target), make_draft(tiny_target, pool=True), shape=shape)
+    assert timed == [] and again.draft(4) == costs.draft(4)
+    tune(copy.deepcopy(tiny_target), make_draft(tiny_target, pool=True), shape=TreeShape(1, 3, 1, 3))
+    assert {s for s, _ in timed} == {TreeShape(1, 3, 1, 3)}  # only the new shape was timed
+    stored = json.loads(tuning_path(tuning_key(target, draft, True)).read_text())
+    assert len(stored["draft_costs"]) == 2

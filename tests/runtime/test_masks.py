@@ -8,13 +8,12 @@ import dataclasses
 
 import pytest
 import torch
-from transformers import DynamicCache
 
-from lyanna_train.runtime import masks
-from lyanna_train.runtime.masks import MaskForm, UnsupportedTarget, layer_windows, ragged_mask
-from lyanna_train.runtime.ragged_cache import RaggedCache
-from lyanna_train.runtime.target_step import check_target_masks, ragged_forward, target_forward, verify_tree
-from lyanna_train.runtime.tree import TokenTree, attention_mask
+from lyanna_train.runtime.scheduling.ragged_cache import RaggedCache
+from lyanna_train.runtime.verification import masks
+from lyanna_train.runtime.verification.masks import MaskForm, UnsupportedTarget, layer_windows, ragged_mask
+from lyanna_train.runtime.verification.target_step import check_target_masks, ragged_forward
+from lyanna_train.runtime.verification.tree import TokenTree
 
 SEQ = [3, 17, 29, 41, 5, 88, 120, 7, 64, 33, 201, 9, 14, 150]
 
@@ -40,18 +39,22 @@ def _plain(target, seq) -> torch.Tensor:
 
 @pytest.mark.parametrize("impl", ["eager", "sdpa"])
 def test_a_tree_verified_after_the_cache_scores_each_node_after_its_own_path(impl):
-    """The single-sequence verify under eager attention: before the mask was converted, a
-    bool tree mask masked nothing there and every node saw its siblings (the Gemma2 bug)."""
+    """A tree verify under eager attention: a bool tree mask handed to eager attention
+    masks nothing and every node sees its siblings (what made Gemma2 decode wrongly)."""
     target = _target("llama", impl)
     past = 8
     tree = TokenTree.rooted_at(SEQ[past])
     a = tree.add_path(SEQ[past + 1:past + 4])  # the true continuation
     tree.add_path([77, 78], parent=a[0])  # a sibling branch
     with torch.inference_mode():
-        cache = DynamicCache(config=target.config)
-        target_forward(target, None, cache, torch.tensor([SEQ[:past]]))
-        logits, _ = verify_tree(target, None, cache, torch.tensor([tree.tokens]), torch.tensor([tree.depths]),
-                                attention_mask(tree.parents, past))
+        cache = RaggedCache.for_model(target, 1)
+        offsets = cache.begin(slice(0, 1), past)
+        ragged_forward(target, None, cache, torch.tensor([SEQ[:past]]), torch.arange(past)[None],
+                       ragged_mask(offsets, torch.arange(-1, past - 1)[None], past))
+        cache.advance(0, past)
+        offsets = cache.begin(slice(0, 1), len(tree))
+        logits, _ = ragged_forward(target, None, cache, torch.tensor([tree.tokens]), past + torch.tensor([tree.depths]),
+                                   ragged_mask(offsets, torch.tensor([tree.parents]), cache.plan.kv_length))
     plain = _plain(target, SEQ[:past + 4])
     torch.testing.assert_close(logits[0, :4], plain[past:past + 4], atol=1e-4, rtol=1e-4)
     branch = _plain(target, SEQ[:past + 2] + [77, 78])

@@ -6,11 +6,10 @@ from __future__ import annotations
 import torch
 
 from lyanna_train.models.state_pool import StatePool
-from lyanna_train.runtime import decode
-from lyanna_train.runtime.cost import POOL
-from lyanna_train.runtime.decode import DecodeSettings, LookupSettings
-from lyanna_train.runtime.draft_tree import TreeShape
-from lyanna_train.runtime.pool_lookup import pool_continuation
+from lyanna_train.runtime.pricing.estimates import AcceptanceEstimates, POOL
+from lyanna_train.runtime.scheduling.scheduler import generate
+from lyanna_train.runtime.settings import DecodeSettings, LookupSettings, TreeShape
+from lyanna_train.runtime.drafting.pool_lookup import pool_continuation
 
 from .conftest import LAYER_IDS, drafted_tokens, greedy_reference
 
@@ -49,12 +48,12 @@ def test_follows_the_most_similar_state_in_the_window():
 def test_pool_candidates_are_verified_losslessly_and_counted(tiny_target, tiny_fitted, monkeypatch):
     draft = tiny_fitted[True]  # threshold 0: something is always proposed; fitted: its nodes are accepted
     proposed = []
-    real = decode.AcceptanceEstimates.proposed_lookup
-    monkeypatch.setattr(decode.AcceptanceEstimates, "proposed_lookup",
+    real = AcceptanceEstimates.proposed_lookup
+    monkeypatch.setattr(AcceptanceEstimates, "proposed_lookup",
                         lambda self, n, cont: (proposed.append((n, list(cont))), real(self, n, cont)))
     prompt = [1, 17, 200, 5, 99, 42, 7, 130, 64]
     settings = DecodeSettings(TreeShape(2, 2, 1, 3), LookupSettings(0, pool_tokens=5), verify="all")
-    out = decode.generate(tiny_target, draft, prompt, 30, settings, eos_ids=(), layer_ids=LAYER_IDS)
+    out = generate(tiny_target, draft, prompt, 30, settings, eos_ids=(), layer_ids=LAYER_IDS)
     assert out.tokens == greedy_reference(tiny_target, prompt, 30)
     pool_runs = [cont for n, cont in proposed if n == POOL]
     assert len(pool_runs) == len(out.accept_lengths) and all(1 <= len(c) <= 5 for c in pool_runs)

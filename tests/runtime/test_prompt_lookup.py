@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from lyanna_train.runtime.prompt_lookup import lookup_continuations
+from lyanna_train.runtime.drafting.prompt_lookup import lookup_continuations
 
 
 def ids(*xs):

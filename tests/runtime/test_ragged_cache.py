@@ -6,11 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lyanna_train.runtime.batch_draft_step import chunk_mask
-from lyanna_train.runtime.masks import ragged_mask
-from lyanna_train.runtime.ragged_cache import RaggedCache
-from lyanna_train.runtime.target_step import ragged_forward
-from lyanna_train.runtime.tree import TokenTree, attention_mask
+from lyanna_train.runtime.drafting.state import chunk_mask
+from lyanna_train.runtime.verification.masks import ragged_mask
+from lyanna_train.runtime.scheduling.ragged_cache import RaggedCache
+from lyanna_train.runtime.verification.target_step import ragged_forward
+from lyanna_train.runtime.verification.tree import TokenTree
 
 PROMPTS = [[1, 5, 7, 9, 11, 13, 15, 17, 19], [1, 2], [1, 100, 101, 102, 103]]
 
@@ -85,7 +85,7 @@ def test_a_moved_row_and_a_reused_slot_decode_as_if_alone(tiny_target):
         torch.testing.assert_close(logits[1, 1], _alone(tiny_target, PROMPTS[1] + [30, 31]), atol=1e-4, rtol=1e-4)
 
 
-def test_ragged_mask_is_the_batch1_mask_per_row():
+def test_ragged_mask_lets_each_node_see_its_rows_cache_and_its_own_path():
     trees = TREES + [TokenTree.rooted_at(3)]
     width = max(len(t) for t in trees)
     parents = torch.tensor([t.parents + [-1] * (width - len(t)) for t in trees])
@@ -93,7 +93,9 @@ def test_ragged_mask_is_the_batch1_mask_per_row():
     mask = ragged_mask(offsets, parents, 7 + width)
     for i, tree in enumerate(trees):
         n, past = len(tree), int(offsets[i])
-        assert torch.equal(mask[i, 0, :n, :past + n], attention_mask(tree.parents, past)[0, 0])
+        assert mask[i, 0, :n, :past].all()
+        for node in range(n):
+            assert mask[i, 0, node, past:past + n].nonzero().flatten().tolist() == tree.ancestors(node)
         assert not mask[i, 0, :n, past + n:].any()  # nothing past the row's own nodes
         for j in range(n, width):  # padding: the row's cache and itself, seen by nobody
             assert mask[i, 0, j].nonzero().flatten().tolist() == list(range(past)) + [past + j]

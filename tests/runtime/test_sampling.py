@@ -7,11 +7,10 @@ import pytest
 import torch
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
-from lyanna_train.runtime import decode
-from lyanna_train.runtime.decode import DecodeSettings, LookupSettings
-from lyanna_train.runtime.draft_tree import TreeShape
-from lyanna_train.runtime.sampling import SamplingParams, accept_tree_sampling, warp_probs
-from lyanna_train.runtime.tree import TokenTree
+from lyanna_train.runtime.scheduling.scheduler import generate
+from lyanna_train.runtime.settings import DecodeSettings, LookupSettings, TreeShape, SamplingParams
+from lyanna_train.runtime.verification.sampling import accept_tree_sampling, warp_probs
+from lyanna_train.runtime.verification.tree import TokenTree
 
 from .conftest import LAYER_IDS, make_draft
 
@@ -90,7 +89,7 @@ def test_speculative_sampling_matches_the_targets_next_two_tokens(tiny_target, p
     settings = [DecodeSettings(TreeShape(2, 2, 2, 4), LookupSettings(3), params, seed=s, verify="all")
                 for s in range(trials)]
     for s in settings:
-        out = decode.generate(tiny_target, draft, prompt, 1, s, eos_ids=(), layer_ids=LAYER_IDS)
+        out = generate(tiny_target, draft, prompt, 1, s, eos_ids=(), layer_ids=LAYER_IDS)
         first[out.tokens[0]] += 1
     _within_noise(first, p1, trials)
     # the second token, given the first, for the most common first token
@@ -100,7 +99,7 @@ def test_speculative_sampling_matches_the_targets_next_two_tokens(tiny_target, p
     second = torch.zeros_like(p2)
     n = 0
     for s in settings[:600]:
-        out = decode.generate(tiny_target, draft, prompt, 3, s, eos_ids=(), layer_ids=LAYER_IDS)
+        out = generate(tiny_target, draft, prompt, 3, s, eos_ids=(), layer_ids=LAYER_IDS)
         if out.tokens[0] == top:
             second[out.tokens[1]] += 1
             n += 1

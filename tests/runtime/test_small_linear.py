@@ -9,12 +9,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from lyanna_train.runtime import decode
-from lyanna_train.runtime.cpu_tuning import tune
-from lyanna_train.runtime.decode import DecodeSettings, LookupSettings
-from lyanna_train.runtime.draft_tree import TreeShape
-from lyanna_train.runtime.small_linear import (FORMS, MAX_ROWS, PACKED, SmallBatchLinear, settle_packing,
-                                               small_batch_forms, use_small_batch_linears)
+from lyanna_train.runtime.scheduling.scheduler import generate
+from lyanna_train.runtime.cpu.tuning import tune
+from lyanna_train.runtime.settings import DecodeSettings, LookupSettings, TreeShape
+from lyanna_train.runtime.cpu.small_linear import (FORMS, MAX_ROWS, PACKED, SmallBatchLinear, settle_packing,
+                                                   small_batch_forms, use_small_batch_linears)
 
 from .conftest import LAYER_IDS, drafted_tokens, greedy_reference
 
@@ -66,14 +65,14 @@ def test_decoding_through_measured_linears_is_lossless(tiny_target, tiny_fitted,
     draft = copy.deepcopy(tiny_fitted[True])  # fitted: its nodes are accepted; a copy: the forms change it
     expected = greedy_reference(target, [1, 17, 200, 5, 99], 24)
     cost = tune(target, draft, cache=False)
-    assert cost.sizes[0] == 1 and small_batch_forms(target) is not None
+    assert cost.verify.sizes[0] == 1 and small_batch_forms(target) is not None
     assert small_batch_forms(draft) is not None and small_batch_forms(draft) is not small_batch_forms(target)
     # whatever this machine chose, run the tuned forms (padded where it can) in both models
     for forms in (small_batch_forms(target), small_batch_forms(draft)):
         forms[1:] = [(form, max(2, r + r % 2)) for r in range(1, MAX_ROWS + 1)]
     assert greedy_reference(target, [1, 17, 200, 5, 99], 24) == expected  # the baseline sees them too
     settings = DecodeSettings(TreeShape(3, 2, 2, 6), LookupSettings(4), verify="all")
-    out = decode.generate(target, draft, [1, 17, 200, 5, 99], 24, settings, eos_ids=(), layer_ids=LAYER_IDS)
+    out = generate(target, draft, [1, 17, 200, 5, 99], 24, settings, eos_ids=(), layer_ids=LAYER_IDS)
     assert out.tokens == expected and drafted_tokens(out) >= 6  # draft nodes verified through the forms, kept
 
 

@@ -7,17 +7,17 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lyanna_train.runtime.cpu_tuning import tune
-from lyanna_train.runtime.decode import DecodeSettings, LookupSettings, generate
-from lyanna_train.runtime.draft_tree import TreeShape
+from lyanna_train.runtime.cpu.tuning import tune
+from lyanna_train.runtime.scheduling.scheduler import generate
+from lyanna_train.runtime.settings import DecodeSettings, LookupSettings, TreeShape
 
 
 @pytest.mark.slow
 def test_lossless_on_smollm2_with_accepted_draft_tokens(smollm2_fitted):
     target, draft = smollm2_fitted.target, smollm2_fitted.draft
-    cost = tune(target, draft, cache=False)  # as the CLIs run it
     chain = DecodeSettings(TreeShape(4, 1, 1, 4), verify="all")  # draft nodes only, every one verified
-    tree = DecodeSettings(TreeShape(3, 3, 3, 8), LookupSettings(5))  # verify: auto, with the measured cost
+    tree = DecodeSettings(TreeShape(3, 3, 3, 8), LookupSettings(5))  # verify: auto, with the measured costs
+    cost = tune(target, draft, shape=tree.tree, cache=False)  # as the CLIs run it
     for prompt, ref in zip(smollm2_fitted.prompts, smollm2_fitted.refs):
         out = generate(target, draft, prompt, len(ref), chain, eos_ids=())
         assert out.tokens == ref

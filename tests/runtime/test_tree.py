@@ -1,10 +1,11 @@
-"""Token trees, their attention mask and greedy acceptance: plain lists, no model."""
+"""Token trees, their verify mask and greedy acceptance: plain lists, no model."""
 
 from __future__ import annotations
 
 import torch
 
-from lyanna_train.runtime.tree import TokenTree, accept_greedy_tree, ancestor_matrix, attention_mask
+from lyanna_train.runtime.verification.masks import ragged_mask
+from lyanna_train.runtime.verification.tree import TokenTree, accept_greedy_tree
 
 
 def sample_tree() -> TokenTree:
@@ -26,12 +27,10 @@ def test_shared_prefixes_merge_and_keep_the_higher_estimate():
 
 def test_mask_lets_each_node_see_the_cache_and_its_own_path():
     tree = sample_tree()
-    seen = ancestor_matrix(tree.parents)
-    for i in range(len(tree)):
-        assert set(torch.nonzero(seen[i]).flatten().tolist()) == set(tree.ancestors(i))
-    mask = attention_mask(tree.parents, past=3)
+    mask = ragged_mask(torch.tensor([3]), torch.tensor([tree.parents]), 3 + len(tree))
     assert mask.shape == (1, 1, 7, 10) and mask[0, 0, :, :3].all()
-    assert torch.equal(mask[0, 0, :, 3:], seen)
+    for i in range(len(tree)):
+        assert set(torch.nonzero(mask[0, 0, i, 3:]).flatten().tolist()) == set(tree.ancestors(i))
 
 
 def test_greedy_follows_the_target_and_ends_with_its_own_token():

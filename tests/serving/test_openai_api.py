@@ -10,7 +10,7 @@ import pytest
 from openai import AsyncOpenAI, OpenAI
 
 from lyanna_train.evaluation.prompts import render_prompt
-from lyanna_train.runtime.decode import generate
+from lyanna_train.runtime.scheduling.scheduler import generate
 from lyanna_train.runtime.settings import load_decode_settings
 
 from .conftest import MODEL

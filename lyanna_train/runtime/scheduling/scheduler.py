@@ -1,12 +1,15 @@
 """Continuous batching for speculative decoding: requests join, decode side by side, leave.
 
+This is the runtime's one decoding stack: :func:`generate` (one prompt) is a batch of one,
+and ``lyanna-bench`` and ``lyanna-serve`` decode through :class:`BatchDecoder` too.
+
 A :class:`BatchDecoder` holds up to ``max_batch`` running sequences in the slots of its
 caches. Three calls drive it — what a server sits on:
 
 * :meth:`~BatchDecoder.submit` queues a request (checked at once: a bad one fails alone,
   with a one-line ``error``);
 * :meth:`~BatchDecoder.step` admits waiting requests into free slots (their prefill),
-  runs one iteration for the running rows (:mod:`.batch_step`: propose → ONE fused
+  runs one iteration for the running rows (:mod:`.batch`: propose → ONE fused
   verify → accept) and returns what each request received; a row that finishes (EOS,
   ``max_new_tokens``, the context's end) frees its slot for the next request;
 * :meth:`~BatchDecoder.cancel` ends a request and frees its slot, touching no other row.
@@ -27,20 +30,22 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 import torch
 
-from ..models.draft_head import DraftHead
-from .batch_draft_step import BatchDraftState
-from .batch_step import Batch, DraftBackoff, Row, accept_rows, fit_trees, prefill_row, propose_rows, verify_rows
-from .cost import VerifyCost
-from .decode import DecodeSettings, FusionSettings, cut, stop_ids  # FusionSettings: re-exported
+from ...models.draft_head import DraftHead
+from ..drafting.propose import propose_rows
+from ..drafting.state import BatchDraftState
+from ..pricing.cost import Costs
+from ..pricing.policy import fit_trees
+from ..settings import DecodeSettings, FusionSettings, SamplingParams
+from ..verification.step import accept_rows, verify_rows
+from ..verification.target_step import check_target_masks, draft_capture
+from ..verification.tree import TokenTree
+from .batch import Batch, Row, prefill_row
 from .ragged_cache import RaggedCache
-from .target_step import check_target_masks, draft_capture
-from .requests import Request, Status, check_request
-from .sampling import SamplingParams
-from .tree import TokenTree
+from .requests import Request, Status, check_request, cut, stop_ids
 
 
 @dataclass
@@ -58,14 +63,15 @@ class Update:
 class BatchDecoder:
     """Speculative decoding of many requests at once, each lossless as if decoded alone.
 
-    ``draft`` None: prompt lookup only (or plain decoding). ``cost``: the target's forward
-    time per token count (None counts every size alike: an accelerator's regime).
+    ``draft`` None: prompt lookup only (or plain decoding). ``cost``: the measured verify
+    and draft costs the speculation policy weighs under ``verify: auto``
+    (:func:`..cpu.tuning.tune`; None: :meth:`.Costs.flat`, an accelerator's regime).
     ``eos_ids``: stop ids for requests that give none (None: the target's
     ``generation_config``). ``layer_ids``: the target layers the draft reads. ``fusion``:
     overrides ``settings.fusion``."""
 
     def __init__(self, target, draft: DraftHead | None, settings: DecodeSettings = DecodeSettings(),
-                 max_batch: int = 8, cost: VerifyCost | None = None, eos_ids: int | Sequence[int] | None = None,
+                 max_batch: int = 8, cost: Costs | None = None, eos_ids: int | Sequence[int] | None = None,
                  layer_ids: Sequence[int] | None = None, fusion: FusionSettings | None = None):
         if max_batch < 1:
             raise ValueError(f"max_batch must be at least 1, got {max_batch}")
@@ -74,9 +80,9 @@ class BatchDecoder:
         self.max_batch, self.fusion = max_batch, fusion or settings.fusion
         self.batch = Batch(target, draft, capture, RaggedCache.for_model(target, max_batch),
                            BatchDraftState(draft, max_batch) if draft is not None else None, settings,
-                           cost if settings.verify == "auto" and cost is not None else VerifyCost.flat(),
+                           cost if cost is not None else Costs.flat(),
                            getattr(target.config, "max_position_embeddings", None),
-                           backoff=DraftBackoff(self.fusion.draft_backoff))
+                           width_limit=cost.verify.sizes[-1] if cost is not None else None)
         self.eos = frozenset(stop_ids(target, eos_ids))
         self.waiting: deque[Request] = deque()
         self._refused: list[Request] = []  # failed at submit, reported by the next step
@@ -159,8 +165,9 @@ class BatchDecoder:
 
     def _verify(self, rows: slice, trees: list[TokenTree], updates: list[Update]) -> None:
         active = self.rows[rows]
-        trees = fit_trees(self.batch, active, trees, self.fusion.shallow_first)
-        self.batch.backoff.observe(trees)
+        room = [None if self.batch.max_positions is None else self.batch.max_positions - row.length for row in active]
+        verify = self.batch.costs.verify if self.batch.settings.verify != "all" else None
+        trees = fit_trees(trees, room, verify, self.fusion.shallow_first)  # no node past a row's context
         logits, aux = verify_rows(self.batch, rows, trees)
         news = accept_rows(self.batch, rows, trees, logits, aux)
         for row, tree, new in zip(active, trees, news):
@@ -214,7 +221,7 @@ class BatchDecoder:
 
 
 def generate_batch(target, draft: DraftHead | None, prompts: Sequence, max_new_tokens: int,
-                   settings: DecodeSettings = DecodeSettings(), max_batch: int = 8, cost: VerifyCost | None = None,
+                   settings: DecodeSettings = DecodeSettings(), max_batch: int = 8, cost: Costs | None = None,
                    eos_ids: int | Sequence[int] | None = None, layer_ids: Sequence[int] | None = None,
                    fusion: FusionSettings | None = None,
                    sampling: Sequence[SamplingParams | None] | None = None,
@@ -227,3 +234,29 @@ def generate_batch(target, draft: DraftHead | None, prompts: Sequence, max_new_t
     for _ in decoder.run():
         pass
     return requests
+
+
+def generate(target, draft: DraftHead | None, prompt_ids, max_new_tokens: int, settings: DecodeSettings = DecodeSettings(),
+             eos_ids: int | Sequence[int] | None = None, layer_ids: Sequence[int] | None = None,
+             on_tokens: Callable[[list[int]], None] | None = None, cost: Costs | None = None) -> Request:
+    """Speculative decoding of one prompt ([P] or [1, P] ids): a batch of one -> its request
+    (``tokens``, ``accept_lengths``, ``tree_sizes``, ``target_forwards``, ``wall_time``).
+
+    Greedy output is token for token what ``target.generate(do_sample=False)`` gives
+    (floating-point ties aside); sampled output has exactly the target's distribution.
+    ``draft`` None: prompt lookup only (or plain decoding). ``eos_ids``: stop after any of
+    these (None: the target's ``generation_config``; ``()``: never). ``on_tokens`` receives
+    each iteration's new tokens (streaming). A request that cannot be served raises
+    ``ValueError`` with the reason."""
+    ids = torch.as_tensor(prompt_ids, dtype=torch.long)
+    if ids.dim() > 2 or (ids.dim() == 2 and ids.shape[0] != 1):
+        raise ValueError(f"one prompt at a time ([P] or [1, P] ids), got shape {tuple(ids.shape)}: "
+                         f"use generate_batch for several")
+    decoder = BatchDecoder(target, draft, settings, 1, cost, eos_ids, layer_ids)
+    request = decoder.submit(ids, max_new_tokens)
+    for update in decoder.run():
+        if update.request.error is not None:
+            raise ValueError(update.request.error)
+        if on_tokens is not None and update.tokens:
+            on_tokens(update.tokens)
+    return request

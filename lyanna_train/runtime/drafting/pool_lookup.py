@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import torch
 
-from .draft_step import DraftState
+from .state import RowView
 
 
-def pool_continuation(state: DraftState, context: torch.Tensor, length: int, max_tokens: int,
+def pool_continuation(state: RowView, context: torch.Tensor, length: int, max_tokens: int,
                       threshold: float) -> list[int]:
     """-> up to ``max_tokens`` ids following the pooled anchor most similar to the current
     anchor (its window is the training one, [t - size, t - 1]); [] when none reaches

@@ -1,8 +1,8 @@
-"""The target's side of speculative decoding: forward with feature capture, tree verify, roll back.
+"""The target's side of speculative decoding: one forward over ragged rows, with feature capture.
 
-The target keeps a transformers ``DynamicCache``. Between iterations it holds every
-accepted token but the last one: that token's logits and features come out of the next
-:func:`verify`, in the same forward as the drafted tokens that follow it.
+The target keeps a :class:`..scheduling.ragged_cache.RaggedCache`. Between iterations a
+row holds every accepted token but the last one: that token's logits and features come
+out of the next verify, in the same forward as the candidates that follow it.
 
 The draft consumes the target's "aux" features (the outputs of three decoder layers,
 ``lyanna_train.target.capture``'s convention), so every target forward here also captures
@@ -12,12 +12,9 @@ them at each position it computes, with forward hooks, with the same :class:`Lay
 from __future__ import annotations
 
 import inspect
-from typing import Sequence
-
 import torch
-from transformers import DynamicCache
 
-from ..target.capture import LayerCapture
+from ...target.capture import LayerCapture
 from .masks import MaskForm, UnsupportedTarget, key_positions, ragged_mask
 
 
@@ -33,7 +30,7 @@ def draft_capture(target, draft, layer_ids=None) -> LayerCapture | None:
     return capture
 
 
-def _cache_kwarg(target) -> str:
+def cache_kwarg(target) -> str:
     # transformers 5 renamed ``past_key_values`` to ``cache`` (the old name warns).
     return "cache" if "cache" in inspect.signature(target.forward).parameters else "past_key_values"
 
@@ -47,14 +44,6 @@ def _run(target, capture: LayerCapture | None, **inputs):
     return logits, capture.aux()
 
 
-def target_forward(target, capture: LayerCapture | None, cache: DynamicCache, input_ids: torch.Tensor,
-                   logits_to_keep: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """input_ids [B, T] appended after ``cache`` -> (logits [B, T or logits_to_keep, V],
-    aux [B, T, k·H]); the cache grows by T."""
-    return _run(target, capture, input_ids=input_ids, use_cache=True, logits_to_keep=logits_to_keep,
-                **{_cache_kwarg(target): cache})
-
-
 def ragged_forward(target, capture: LayerCapture | None, cache, input_ids: torch.Tensor, position_ids: torch.Tensor,
                    mask: torch.Tensor, logits_to_keep: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """Rows of new tokens after a :class:`.ragged_cache.RaggedCache` (planned by its
@@ -64,47 +53,7 @@ def ragged_forward(target, capture: LayerCapture | None, cache, input_ids: torch
     keys = key_positions(cache.plan.offsets, position_ids, mask.shape[-1])
     mask = MaskForm.of(target).build(mask, position_ids, keys)
     return _run(target, capture, input_ids=input_ids, position_ids=position_ids, attention_mask=mask,
-                use_cache=True, logits_to_keep=logits_to_keep, **{_cache_kwarg(target): cache})
-
-
-def crop_cache(cache: DynamicCache, length: int) -> None:
-    """Drop cached positions >= ``length`` (the rejected drafted tokens)."""
-    excess = cache.get_seq_length() - length
-    if excess < 0:
-        raise ValueError(f"cannot crop a cache of {cache.get_seq_length()} positions to {length}")
-    if excess:
-        cache.crop(-excess)  # a negative count removes that many (the only form transformers 5 accepts)
-
-
-def verify_tree(target, capture: LayerCapture | None, cache: DynamicCache, tokens: torch.Tensor, depths: torch.Tensor,
-                mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """ONE target forward over a token tree appended after ``cache``.
-
-    tokens, depths [1, N] (node 0 is the last accepted token, depth 0), mask
-    [1, 1, N, past + N] bool (``tree.attention_mask``) -> (logits [1, N, V], aux [1, N, k·H]):
-    each node is scored after the path to it. The cache grows by N in node order (see
-    :func:`keep_cache_positions`)."""
-    past = cache.get_seq_length()
-    positions = past + depths
-    if mask is not None:  # in the form the model's attention reads (a bool mask means nothing to eager)
-        keys = torch.cat([torch.arange(past, device=positions.device)[None], positions], 1)
-        mask = MaskForm.of(target).build(mask, positions, keys)
-    return _run(target, capture, input_ids=tokens, position_ids=positions, attention_mask=mask, use_cache=True,
-                **{_cache_kwarg(target): cache})
-
-
-def keep_cache_positions(cache: DynamicCache, past: int, kept: list[int]) -> None:
-    """After a tree verify: keep positions 0..past-1 and then tree nodes ``kept`` (offsets
-    from ``past``, increasing), so the cache holds the accepted path in order. Only the
-    kept nodes move (into slots past..), then the cache is cropped: the cost does not grow
-    with the context, as a gather over the whole cache would."""
-    if kept != list(range(len(kept))):  # not a prefix of the node order (never for chains)
-        index = past + torch.tensor(kept)
-        for layer in cache.layers:
-            for name in ("keys", "values"):
-                t = getattr(layer, name)
-                t[..., past:past + len(kept), :] = t.index_select(-2, index.to(t.device))
-    crop_cache(cache, past + len(kept))
+                use_cache=True, logits_to_keep=logits_to_keep, **{cache_kwarg(target): cache})
 
 
 def check_target_masks(target) -> None:
@@ -119,7 +68,7 @@ def check_target_masks(target) -> None:
     Checked once per model object."""
     if getattr(target, "_lyanna_masks_checked", False):
         return
-    from .ragged_cache import RaggedCache
+    from ..scheduling.ragged_cache import RaggedCache
 
     form = MaskForm.of(target)  # refuses implementations that take no custom mask at all
     window = min((w for _, w in form.windows if w is not None), default=None)

@@ -1,11 +1,11 @@
-"""How many candidates to verify: expected tokens per second of target time, from each
-candidate's estimated chance of acceptance (:class:`AcceptanceEstimates`).
+"""What speculation costs: the target's verify time per token count, the head's draft time per
+drafting row count, and how many candidates pay for their verify.
 
 On a GPU a target forward costs about the same for 1 or 64 tokens, so every candidate is
 worth verifying. On a CPU it does not: with SmolLM2 on 2 cores and the measured linear
-forms (:mod:`.small_linear`), 1 token takes ~20 ms, 2-5 ~24, 8 ~30 and 16 ~37
+forms (:mod:`..cpu.small_linear`), 1 token takes ~20 ms, 2-5 ~24, 8 ~30 and 16 ~37
 (torch's own linears: 40, 71, 63, 71, 84 ms for 1, 2, 4, 8, 16). So the target's forward
-time per number of tokens is measured once (:func:`.cpu_tuning.tune`, cached on disk), and
+time per number of tokens is measured once (:func:`..cpu.tuning.tune`, cached on disk), and
 each iteration verifies the ``n`` most probable candidates that maximise
 
     (1 + Σ_{i ≤ n} p_i) / cost(n + 1)
@@ -17,6 +17,7 @@ token). n = 0 is a plain decoding step: speculation is skipped when it would not
 from __future__ import annotations
 
 from bisect import bisect_left
+from dataclasses import dataclass
 from typing import Sequence
 
 
@@ -82,60 +83,32 @@ def best_width(rows: Sequence[Sequence[float]], cost: VerifyCost, limit: int | N
     return best
 
 
-POOL = 0  # the "n-gram length" under which pool candidates (:mod:`.pool_lookup`) are counted
+class DraftCost:
+    """Seconds of the head's work in one iteration when ``rows`` rows draft: their step 0 over
+    the tokens they accepted and their candidate tree (:func:`..cpu.tuning.tune` times both
+    per row count for the decoding's tree shape); 0 rows cost nothing."""
+
+    def __init__(self, rows: Sequence[int], seconds: Sequence[float]):
+        self._curve = VerifyCost(rows, seconds)
+
+    @classmethod
+    def free(cls) -> "DraftCost":
+        """Drafting costs nothing next to the verify (an accelerator's regime)."""
+        return cls([1], [0.0])
+
+    def __call__(self, rows: int) -> float:
+        return 0.0 if rows <= 0 else self._curve(rows)
 
 
-class AcceptanceEstimates:
-    """Each candidate's chance to be accepted, learned from what the target confirms.
+@dataclass(frozen=True)
+class Costs:
+    """The measured costs the speculation policy weighs (:mod:`.policy`)."""
 
-    Draft candidates: their cumulative draft probability (EAGLE-2's observation: a draft's
-    confidence tracks acceptance) scaled by confirmed / predicted over the verified ones
-    (a head trained on other text is overconfident). Lookup candidates: a geometric rate
-    per matched n-gram length, the MLE of "the next lookup token is right" (prior 1/2);
-    pool candidates are counted as length ``POOL``.
-    """
+    verify: VerifyCost
+    draft: DraftCost
 
-    def __init__(self):
-        self.draft = [1.0, 1.0]  # [draft candidates confirmed, their summed draft probabilities]
-        self.guesses: dict[tuple, float] = {}  # this iteration's draft paths (tokens) -> raw probability
-        self.lookup: dict[int, list[int]] = {}  # n-gram length -> [tokens confirmed, chains broken]
-        self.proposals: list[tuple[int, list[int]]] = []  # this iteration's (n-gram length, continuation)
-
-    def draft_scale(self) -> float:
-        return self.draft[0] / self.draft[1]
-
-    def calibrate_draft(self, tree, nodes: list[int]) -> None:
-        """Remember the draft's own probabilities of ``nodes`` and scale them in ``tree``."""
-        scale = self.draft_scale()
-        self.guesses = {}
-        for node in nodes:
-            self.guesses[tuple(tree.path_tokens(tree.ancestors(node))[1:])] = tree.probs[node]
-            tree.probs[node] = min(1.0, tree.probs[node] * scale)
-
-    def lookup_rate(self, n: int) -> float:
-        right, broken = self.lookup.get(n, (1, 1))
-        return right / (right + broken)
-
-    def lookup_probs(self, n: int, length: int) -> list[float]:
-        rate = self.lookup_rate(n)
-        return [rate ** (j + 1) for j in range(length)]
-
-    def proposed_lookup(self, n: int, continuation: list[int]) -> None:
-        if continuation:
-            self.proposals.append((n, continuation))
-
-    def update(self, verified, new: list[int]) -> None:
-        """After a verify: ``verified`` is the tree the target scored, ``new`` the tokens it emitted."""
-        for node in range(1, len(verified)):
-            path = tuple(verified.path_tokens(verified.ancestors(node))[1:])
-            if path in self.guesses:
-                self.draft[1] += self.guesses[path]
-                self.draft[0] += list(path) == new[:len(path)]
-        for n, follow in self.proposals:
-            right = 0
-            while right < min(len(follow), len(new)) and follow[right] == new[right]:
-                right += 1
-            counts = self.lookup.setdefault(n, [1, 1])
-            counts[0] += right
-            counts[1] += right < min(len(follow), len(new))
-        self.guesses, self.proposals = {}, []
+    @classmethod
+    def flat(cls) -> "Costs":
+        """An accelerator's regime: every verify width costs the same and drafting is free,
+        so every row drafts and verifies its whole tree."""
+        return cls(VerifyCost.flat(), DraftCost.free())

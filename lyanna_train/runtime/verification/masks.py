@@ -20,19 +20,15 @@ from dataclasses import dataclass
 
 import torch
 
-from ..errors import LyannaError
+from ...errors import LyannaError
+from ...target.support import LAYER_KINDS, text_config
 
 BOOLEAN = ("sdpa",)  # a bool mask: True = may attend
 ADDITIVE = ("eager", "flex_attention")  # the mask is added to the scores: 0 or the dtype's minimum
-LAYER_KINDS = ("full_attention", "sliding_attention")
 
 
 class UnsupportedTarget(LyannaError):
     """A target the runtime cannot decode losslessly, named in one line."""
-
-
-def _text_config(config):
-    return config.get_text_config() if hasattr(config, "get_text_config") else config
 
 
 def layer_windows(config) -> dict[str, int | None]:
@@ -40,7 +36,7 @@ def layer_windows(config) -> dict[str, int | None]:
 
     transformers 5 names each layer's kind in ``config.layer_types``; older-style configs
     (Mistral, Mixtral) give one ``sliding_window`` for every layer."""
-    config = _text_config(config)
+    config = text_config(config)
     window = getattr(config, "sliding_window", None) or None
     kinds = list(getattr(config, "layer_types", None) or [])
     if not kinds:
@@ -63,7 +59,7 @@ class MaskForm:
 
     @classmethod
     def of(cls, model) -> "MaskForm":
-        config = _text_config(model.config)
+        config = text_config(model.config)
         impl = getattr(config, "_attn_implementation", None) or getattr(model.config, "_attn_implementation", None)
         impl = impl or "eager"
         if impl not in BOOLEAN + ADDITIVE:

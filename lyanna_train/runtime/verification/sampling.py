@@ -12,28 +12,10 @@ one-hot drafts), and a wrong candidate costs acceptance, never correctness.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
+from ..settings import SamplingParams
 from .tree import TokenTree
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    """temperature 0 means greedy; top_k 0 and top_p 1 mean off."""
-
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-
-    def __post_init__(self):
-        if self.temperature < 0 or self.top_k < 0 or not 0 < self.top_p <= 1:
-            raise ValueError(f"need temperature >= 0, top_k >= 0 and top_p in (0, 1], got {self}")
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0
 
 
 def warp_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:

@@ -3,8 +3,8 @@
 Node 0 is the root: the last accepted token, not yet run through the target. Every other
 node is a candidate for the position after its parent. Parents come before children, and
 siblings carry distinct tokens (a candidate proposed twice is one node), so a path through
-the tree is identified by its tokens. The target scores all nodes in one forward with
-:func:`attention_mask`, where each node sees the cache and its own ancestors only.
+the tree is identified by its tokens. The target scores all nodes in one forward under
+:func:`.masks.ragged_mask`, where each node sees the cache and its own ancestors only.
 """
 
 from __future__ import annotations
@@ -84,22 +84,6 @@ class TokenTree:
 
     def path_tokens(self, path: list[int]) -> list[int]:
         return [self.tokens[n] for n in path]
-
-
-def ancestor_matrix(parents: list[int], device=None) -> torch.Tensor:
-    """[N, N] bool: entry (i, j) is True iff node j is node i or one of its ancestors."""
-    n = len(parents)
-    seen = torch.eye(n, dtype=torch.bool, device=device)
-    for i in range(1, n):  # parents come first, so row parents[i] is complete
-        seen[i] |= seen[parents[i]]
-    return seen
-
-
-def attention_mask(parents: list[int], past: int, device=None) -> torch.Tensor:
-    """[1, 1, N, past + N] bool for a verify forward: all cached positions, then ancestors."""
-    tree = ancestor_matrix(parents, device)
-    cached = torch.ones(len(parents), past, dtype=torch.bool, device=device)
-    return torch.cat([cached, tree], dim=1)[None, None]
 
 
 def accept_greedy_tree(tree: TokenTree, target_argmax: list[int]) -> tuple[list[int], int]:

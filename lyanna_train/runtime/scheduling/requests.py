@@ -11,7 +11,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-from .sampling import SamplingParams
+from ..settings import SamplingParams
 
 
 class Status(str, enum.Enum):
@@ -51,6 +51,11 @@ class Request:
         return None if self.finished_at is None else self.finished_at - self.submitted_at
 
     @property
+    def wall_time(self) -> float | None:
+        """Seconds from submission to the last token (what :func:`.scheduler.generate` reports)."""
+        return self.latency
+
+    @property
     def mean_acceptance(self) -> float:
         """New tokens per target forward this request took part in (prefill included)."""
         return len(self.tokens) / max(self.target_forwards, 1)
@@ -73,3 +78,21 @@ def check_request(prompt, max_new_tokens: int, vocab_size: int, max_positions: i
         return (f"prompt of {len(prompt)} tokens does not fit the target's context of {max_positions} positions "
                 f"(at most {max_positions - 1}, to leave room for a new token)")
     return None
+
+
+def stop_ids(target, eos_ids) -> set[int]:
+    """The ids a request stops after: ``eos_ids``, or the target's ``generation_config`` (None)
+    as ``target.generate`` does; ``()`` never stops."""
+    if eos_ids is None:
+        eos_ids = getattr(getattr(target, "generation_config", None), "eos_token_id", None)
+    if eos_ids is None:
+        return set()
+    return {int(eos_ids)} if isinstance(eos_ids, int) else {int(e) for e in eos_ids}
+
+
+def cut(tokens: list[int], eos: set[int], max_new_tokens: int) -> tuple[list[int], bool]:
+    """Cut after the first EOS and at max_new_tokens; True when generation is over."""
+    for i, tok in enumerate(tokens[:max_new_tokens]):
+        if tok in eos:
+            return tokens[: i + 1], True
+    return tokens[:max_new_tokens], len(tokens) >= max_new_tokens

@@ -1,22 +1,26 @@
-"""CPU tuning, in one place: each linear's GEMM form per row count (:mod:`.small_linear`)
-and the target's verify cost per token count (:class:`.cost.VerifyCost`), both found by
-timing whole forwards, and kept on disk per machine, torch version and target.
+"""CPU tuning, in one place: each linear's GEMM form per row count (:mod:`.small_linear`),
+the target's verify cost per token count and the head's draft cost per drafting row
+count (:class:`..pricing.cost.Costs`), all found by timing whole forwards of the runtime's
+own path, and kept on disk per machine, torch version, target and draft.
 
 Timing one layer alone misleads (its weight stays in cache, unlike in a forward over the
 whole model), so every choice times the model's own forward: the target's over N new
-tokens after ``CONTEXT`` cached ones, the draft's step 0 over N anchors. That takes
-~15 s on SmolLM2 and 2 cores; the result is written to
+tokens after ``CONTEXT`` cached ones, the draft's step 0 over N anchors, and a whole
+drafting iteration (candidate tree plus step 0) for R rows at once in the decoding's tree
+shape. That takes ~15 s on SmolLM2 and 2 cores; the result is written to
 ``$LYANNA_CACHE/cpu_tuning/<key>.json`` and read back by the next process with the same
 key (CPU model, core and thread counts, torch version, target fingerprint and dtype, the
 draft's shape), so CLIs start in seconds after the first run. ``retune=True`` measures
 again (a machine that was busy the first time).
 
-Nothing here runs inside decoding: :func:`tune` returns the cost model, and the caller
-hands it to :func:`.decode.generate`.
+Nothing here runs inside decoding: :func:`tune` returns the costs, and the caller hands
+them to the decoder (:class:`..scheduling.scheduler.BatchDecoder`). The draft cost is kept
+per tree shape: a new shape times only that (a few seconds).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -26,20 +30,26 @@ from pathlib import Path
 from typing import Callable
 
 import torch
-from transformers import DynamicCache
 
-from ..atomic import write_json_atomic
-from ..models.draft_head import DraftHead
-from .cost import VerifyCost
-from .draft_step import DraftState, draft_extend
+from ...atomic import write_json_atomic
+from ...models.draft_head import DraftHead
+from ..drafting.state import BatchDraftState, extend_rows
+from ..drafting.tree import draft_trees
+from ..pricing.cost import Costs, DraftCost, VerifyCost
+from ..scheduling.ragged_cache import RaggedCache
+from ..settings import TreeShape
+from ..verification.masks import ragged_mask
+from ..verification.target_step import ragged_forward
+from ..verification.tree import TokenTree
 from .small_linear import FORMS, MAX_ROWS, settle_packing, small_batch_forms, use_small_batch_linears
-from .target_step import crop_cache, target_forward
 
 SIZES = tuple(range(1, 17)) + (20, 24, 28, 32, 48, 64)  # target tokens per verify forward
 DRAFT_SIZES = tuple(range(1, 17))  # anchors accepted at once, or tree nodes of one level
+DRAFT_ROWS = (1, 2, 3, 4, 6, 8, 12, 16)  # rows drafting at once (the draft cost's sizes)
+ACCEPTED = 2  # anchors each drafting row extends by per timed iteration (a typical accepted run)
 CONTEXT = 256  # cached tokens before the timed forward
 REPEATS = 3  # best of: the run least disturbed by other work
-FORMAT = 1
+FORMAT = 2
 
 
 def choose_forms(forms: list[tuple[str, int]], time_forward: Callable[[int], float], sizes) -> list[float]:
@@ -66,49 +76,83 @@ def choose_forms(forms: list[tuple[str, int]], time_forward: Callable[[int], flo
 
 
 def target_timer(target, context: int = CONTEXT, repeats: int = REPEATS) -> Callable[[int], float]:
-    """-> time(n): seconds of one target forward over n new tokens after ``context`` cached ones."""
-    vocab = target.config.vocab_size
-    cache = DynamicCache(config=target.config)
+    """-> time(n): seconds of one target forward over n new tokens after ``context`` cached
+    ones, through the runtime's ragged cache and masks (what a verify runs)."""
+    vocab, device = target.config.vocab_size, target.device
+    cache = RaggedCache.for_model(target, 1, capacity=context + max(SIZES))
+
+    def forward(n: int) -> None:
+        offsets = cache.begin(slice(0, 1), n)
+        chain = torch.arange(-1, n - 1)[None]
+        ragged_forward(target, None, cache, torch.randint(0, vocab, (1, n), device=device),
+                       offsets[:, None] + torch.arange(n, device=device), ragged_mask(offsets, chain, cache.plan.kv_length))
+
     with torch.inference_mode():
-        target_forward(target, None, cache, torch.randint(0, vocab, (1, context), device=target.device), 1)
+        forward(context)
+        cache.advance(0, context)
 
     def time_forward(n: int) -> float:
-        ids = torch.randint(0, vocab, (1, n), device=target.device)
         best = float("inf")
         with torch.inference_mode():
             for _ in range(repeats):
                 start = time.perf_counter()
-                target_forward(target, None, cache, ids)
-                if target.device.type == "cuda":
+                forward(n)
+                if device.type == "cuda":
                     torch.cuda.synchronize()
                 best = min(best, time.perf_counter() - start)
-                crop_cache(cache, context)
         return best
 
     return time_forward
 
 
-def draft_timer(draft: DraftHead, context: int = CONTEXT, repeats: int = REPEATS) -> Callable[[int], float]:
-    """-> time(n): seconds of the draft's step 0 over n anchors after ``context`` cached ones,
-    on random features (what decides the draft's GEMM forms)."""
-    state = DraftState(draft, capacity=context + 128)
+def _filled_draft_state(draft: DraftHead, rows: int, context: int) -> BatchDraftState:
+    """``rows`` rows of ``context`` random anchors each (what decides the timings is the shape)."""
     weight = draft.fc.weight
-    aux = torch.randn(1, context + 64, draft.fc.in_features, dtype=weight.dtype, device=weight.device)
-    ids = torch.randint(0, draft.cfg.vocab_size, (1, context + 64), device=weight.device)
+    state = BatchDraftState(draft, rows, capacity=context + 64)
+    aux = torch.randn(rows, context, draft.fc.in_features, dtype=weight.dtype, device=weight.device)
+    ids = torch.randint(0, draft.cfg.vocab_size, (rows, context), device=weight.device)
     with torch.inference_mode():
-        draft_extend(draft, state, aux[:, :context], ids[:, :context], 0)
+        extend_rows(draft, state, slice(0, rows), aux, ids, [context] * rows)
+    return state
+
+
+def draft_timer(draft: DraftHead, context: int = CONTEXT, repeats: int = REPEATS) -> Callable[[int], float]:
+    """-> time(n): seconds of the draft's step 0 over n anchors of one row after ``context``
+    cached ones, on random features (what decides the draft's GEMM forms)."""
+    state = _filled_draft_state(draft, 1, context)
+    weight = draft.fc.weight
 
     def time_extend(n: int) -> float:
+        aux = torch.randn(1, n, draft.fc.in_features, dtype=weight.dtype, device=weight.device)
+        ids = torch.randint(0, draft.cfg.vocab_size, (1, n), device=weight.device)
         best = float("inf")
         with torch.inference_mode():
             for _ in range(repeats):
                 start = time.perf_counter()
-                draft_extend(draft, state, aux[:, context:context + n], ids[:, context:context + n], context)
+                extend_rows(draft, state, slice(0, 1), aux, ids, [n])
                 best = min(best, time.perf_counter() - start)
-                state.length = context  # forget the timed anchors
         return best
 
     return time_extend
+
+
+def time_drafting(draft: DraftHead, shape: TreeShape, rows: int, context: int = CONTEXT,
+                  repeats: int = REPEATS) -> float:
+    """Seconds of one drafting iteration for ``rows`` rows at once: their candidate trees in
+    ``shape`` and their step 0 over ``ACCEPTED`` accepted anchors each."""
+    state = _filled_draft_state(draft, rows, context)
+    weight = draft.fc.weight
+    aux = torch.randn(rows, ACCEPTED, draft.fc.in_features, dtype=weight.dtype, device=weight.device)
+    ids = torch.randint(0, draft.cfg.vocab_size, (rows, ACCEPTED), device=weight.device)
+    best = float("inf")
+    with torch.inference_mode():
+        for _ in range(repeats):
+            trees = [TokenTree.rooted_at(0) for _ in range(rows)]
+            start = time.perf_counter()
+            draft_trees(draft, state, slice(0, rows), trees, shape)
+            extend_rows(draft, state, slice(0, rows), aux, ids, [ACCEPTED] * rows)
+            best = min(best, time.perf_counter() - start)
+    return best
 
 
 def _cpu_model() -> str:
@@ -123,7 +167,7 @@ def _cpu_model() -> str:
 
 def tuning_key(target, draft: DraftHead | None, linear_forms: bool) -> dict:
     """What the timings depend on: the machine, torch, the target and the draft's shapes."""
-    from ..target.model import target_fingerprint
+    from ...target.model import target_fingerprint
 
     return {
         "format": FORMAT, "cpu": _cpu_model(), "cores": os.cpu_count(), "arch": platform.machine(),
@@ -135,7 +179,7 @@ def tuning_key(target, draft: DraftHead | None, linear_forms: bool) -> dict:
 
 
 def tuning_path(key: dict) -> Path:
-    from ..target.loading import cache_root
+    from ...target.loading import cache_root
 
     digest = hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:20]
     return cache_root() / "cpu_tuning" / f"{digest}.json"
@@ -160,21 +204,24 @@ def _apply(forms: list | None, stored: list | None) -> None:
         forms[:] = [(form, int(padded)) for form, padded in stored]
 
 
-def tune(target, draft: DraftHead | None = None, *, linear_forms: bool = True, cache: bool = True,
-         retune: bool = False, say: Callable[[str], None] | None = None) -> VerifyCost:
-    """Tune ``target`` (and ``draft``) for this machine -> the target's verify cost.
+def tune(target, draft: DraftHead | None = None, *, shape: TreeShape | None = None, linear_forms: bool = True,
+         cache: bool = True, retune: bool = False, say: Callable[[str], None] | None = None) -> Costs:
+    """Tune ``target`` (and ``draft``) for this machine -> the costs the speculation policy weighs.
 
     With ``linear_forms`` (and a CPU model) every ``nn.Linear`` gets its fastest GEMM form
-    per row count. The result is read from the on-disk cache when one matches (``cache``),
-    else measured (~15 s) and stored; ``retune`` measures again. ``say`` hears one line
-    about which of the two happened."""
+    per row count. The target's verify cost is timed per token count; with a ``draft``
+    and the decoding's tree ``shape``, a drafting iteration is timed per drafting row
+    count. The result is read from the on-disk cache when one matches (``cache``), else
+    measured (~15 s) and stored; ``retune`` measures again. ``say`` hears one line about
+    which of the two happened."""
     say = say or (lambda _: None)
     cpu = target.device.type == "cpu"
     target_forms = use_small_batch_linears(target) if linear_forms and cpu else None
     draft_forms = use_small_batch_linears(draft) if linear_forms and draft is not None and cpu else None
-    key = tuning_key(target, draft if draft_forms is not None else None, target_forms is not None)
+    key = tuning_key(target, draft, target_forms is not None)
     path = tuning_path(key)
     stored = _read(path, key) if cache and not retune else None
+    changed = stored is None  # what was measured now is written back
     if stored is not None:
         say(f"CPU tuning read from {path} (pass --retune to measure again)")
         _apply(target_forms, stored["target_forms"])
@@ -187,11 +234,20 @@ def tune(target, draft: DraftHead | None = None, *, linear_forms: bool = True, c
         if draft_forms is not None:
             choose_forms(draft_forms, draft_timer(draft), DRAFT_SIZES)
         stored = {"key": key, "seconds": seconds, "target_forms": target_forms, "draft_forms": draft_forms,
-                  "measured": time.strftime("%Y-%m-%dT%H:%M:%S")}
-        if cache:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            write_json_atomic(path, stored)
+                  "draft_costs": {}, "measured": time.strftime("%Y-%m-%dT%H:%M:%S")}
     for model in (target, draft):
         if model is not None and small_batch_forms(model) is not None:
             settle_packing(model)
-    return VerifyCost(SIZES, stored["seconds"])
+    draft_cost = DraftCost.free()
+    if draft is not None and shape is not None and shape.depth and shape.max_nodes:
+        name = json.dumps(dataclasses.asdict(shape), sort_keys=True)
+        timings = stored.setdefault("draft_costs", {}).get(name)
+        if timings is None:
+            say(f"timing a drafting iteration per row count for tree {name} (a few seconds, once per shape)")
+            timings = stored["draft_costs"][name] = [time_drafting(draft, shape, rows) for rows in DRAFT_ROWS]
+            changed = True
+        draft_cost = DraftCost(DRAFT_ROWS, timings)
+    if cache and changed:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_json_atomic(path, stored)
+    return Costs(VerifyCost(SIZES, stored["seconds"]), draft_cost)

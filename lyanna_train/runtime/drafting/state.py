@@ -1,11 +1,23 @@
-"""The draft's caches for many sequences at once: per-row lengths, pools and anchors.
+"""The draft's caches for many sequences at once: per-row lengths, pools and anchors, and step 0.
 
-:class:`BatchDraftState` is :class:`.draft_step.DraftState` with a row per sequence (a
-slot): the draft KV cache is preallocated and written in place at each row's own length,
-every row has its own state pool (a row of one :class:`StatePool`, never read by another
-row) and its own anchor. :func:`extend_rows` is step 0 over the newly accepted anchors of a
-run of rows, each row with its own count, in one draft forward; it keeps exactly the
-schedule of :func:`.draft_step.draft_extend` (held-back anchor, the training window).
+Anchor *t* of a row is the last position whose target features are known (the last
+accepted token is x_{t+1}). The serving schedule is the one ``DraftHead.forward_unrolled``
+trains on (``tests/runtime/test_draft_state.py`` checks the two agree):
+
+* :func:`extend_rows` runs step 0 for newly accepted anchors of a run of rows, in one
+  forward, each row with its own count: input ``fc(aux[a])`` with token x_{a+1} at
+  position a. Its keys join the row's draft KV cache for good, its states (before
+  fusion) join the row's pool, and the fused state of the last anchor is where the next
+  tree starts (:mod:`.tree`).
+* The pool must offer anchor t exactly the training window [t - size, t - 1]: the
+  anchor's own step-0 state is therefore held back (``pending``) and pushed with the next
+  chunk, so it never evicts position t - size while t is still drafting.
+
+:class:`BatchDraftState` holds a row per sequence (a slot): the draft KV cache is
+preallocated and written in place at each row's own length, every row has its own state
+pool (a row of one :class:`StatePool`, never read by another row) and its own anchor. A
+row that is not drafting keeps its new anchors in a backlog, caught up in one forward
+when it drafts again (:func:`catch_up_rows`).
 """
 
 from __future__ import annotations
@@ -14,9 +26,18 @@ from dataclasses import dataclass
 
 import torch
 
-from ..models.draft_head import DraftHead
-from ..models.state_pool import EMPTY, StatePool
-from .draft_step import grow_kv
+from ...models.draft_head import DraftHead
+from ...models.state_pool import EMPTY, StatePool
+
+
+def grow_kv(keys: torch.Tensor, values: torch.Tensor, total: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[B, heads, slots, dim]`` buffers with room for ``total`` slots, grown by doubling
+    (amortised: decoding reserves a few slots at a time)."""
+    if total <= keys.shape[2]:
+        return keys, values
+    size = max(total, 2 * keys.shape[2])
+    grow = keys.new_zeros(*keys.shape[:2], size - keys.shape[2], keys.shape[3])
+    return torch.cat([keys, grow], dim=2), torch.cat([values, torch.zeros_like(grow)], dim=2)
 
 
 def chunk_mask(starts: torch.Tensor, width: int, kv_length: int) -> torch.Tensor:
@@ -45,8 +66,7 @@ def forward_rows(draft: DraftHead, keys: torch.Tensor, values: torch.Tensor, hid
 
 @dataclass
 class RowView:
-    """One row of a :class:`BatchDraftState` in :class:`.draft_step.DraftState`'s terms
-    (what :func:`.pool_lookup.pool_continuation` reads)."""
+    """One row of a :class:`BatchDraftState` (what :func:`.pool_lookup.pool_continuation` reads)."""
 
     pool: StatePool | None
     pending: torch.Tensor | None  # [1, 1, H]
@@ -70,9 +90,11 @@ class BatchDraftState:
         self.backlog: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in range(slots)]
 
     def defer(self, rows: slice, aux: torch.Tensor, next_tokens: torch.Tensor, counts: list[int]) -> None:
-        """Keep rows' new anchors (as :func:`extend_rows` takes them) for a later catch-up."""
+        """Keep rows' new anchors (as :func:`extend_rows` takes them) for a later catch-up
+        (a count of 0 keeps nothing)."""
         for i, c in enumerate(counts):
-            self.backlog[rows.start + i].append((aux[i, :c], next_tokens[i, :c]))
+            if c:
+                self.backlog[rows.start + i].append((aux[i, :c], next_tokens[i, :c]))
 
     def behind(self, slot: int) -> bool:
         """Whether the row has anchors its caches do not hold yet."""
@@ -136,10 +158,10 @@ def extend_rows(draft: DraftHead, state: BatchDraftState, rows: slice, aux: torc
             state.anchor_pos[rows.start + i] = state.lengths[rows.start + i] - 1
 
 
-def catch_up_rows(draft: DraftHead, state: BatchDraftState, rows: slice) -> None:
-    """Step 0 over every deferred anchor of rows ``rows``, in one forward (rows with no
-    backlog take part with 0 anchors)."""
-    backlogs = state.backlog[rows]
+def catch_up_rows(draft: DraftHead, state: BatchDraftState, rows: slice, only: list[bool] | None = None) -> None:
+    """Step 0 over every deferred anchor of rows ``rows`` (``only``: of the rows flagged), in
+    one forward (the other rows take part with 0 anchors and keep their backlog)."""
+    backlogs = [b if only is None or only[i] else [] for i, b in enumerate(state.backlog[rows])]
     if not any(backlogs):
         return
     chunks = [(torch.cat([a for a, _ in b]), torch.cat([t for _, t in b])) if b else None for b in backlogs]
@@ -151,8 +173,9 @@ def catch_up_rows(draft: DraftHead, state: BatchDraftState, rows: slice) -> None
         if c is not None:
             aux[i, :counts[i]], following[i, :counts[i]] = c
     extend_rows(draft, state, rows, aux, following, counts)
-    for slot in range(rows.start, rows.stop):
-        state.backlog[slot] = []
+    for i, slot in enumerate(range(rows.start, rows.stop)):
+        if only is None or only[i]:
+            state.backlog[slot] = []
 
 
 def _pool_step(draft: DraftHead, state: BatchDraftState, rows: slice, current: torch.Tensor, positions: torch.Tensor,

@@ -1,0 +1,104 @@
+"""Each row's acceptance estimates, learned online from what the target confirms in that row.
+
+Every running row has its own :class:`AcceptanceEstimates` (never shared: a row's choice
+reads only its own acceptance). They price candidates already proposed (each node's
+chance to be accepted, for the verify width) and, before the head runs, what drafting
+would bring this row (:attr:`AcceptanceEstimates.head_profile`, for the policy's choice
+of which rows draft).
+"""
+
+from __future__ import annotations
+
+POOL = 0  # the "n-gram length" under which pool candidates (:mod:`..drafting.pool_lookup`) are counted
+HEAD_MEMORY = 0.3  # weight of a drafted iteration's tree in the row's head profile (an EMA: drift is followed)
+RETRY = 0.05  # per iteration without drafting, the profile relaxes this far back toward its cold start
+
+
+def _perfect_chain(depth: int, nodes: int) -> list[float]:
+    """The cold start: the head's best case, its first ``depth`` candidates all accepted."""
+    return [1.0] * min(depth, nodes) + [0.0] * max(nodes - depth, 0)
+
+
+class AcceptanceEstimates:
+    """Each candidate's chance to be accepted, learned from what the target confirms.
+
+    Draft candidates: their cumulative draft probability (EAGLE-2's observation: a draft's
+    confidence tracks acceptance) scaled by confirmed / predicted over the verified ones
+    (a head trained on other text is overconfident). Lookup candidates: a geometric rate
+    per matched n-gram length, the MLE of "the next lookup token is right" (prior 1/2);
+    pool candidates are counted as length ``POOL``.
+
+    Head profile: the calibrated probabilities of the head's candidates, best first,
+    averaged over the iterations this row drafted (weight ``HEAD_MEMORY``): the expected
+    acceptance of each of the head's next candidates before it runs. Cold start, before
+    the row has drafted: a perfect chain (the head's best case), so every row drafts once
+    unless even a perfect draft cannot pay. While a row does not draft, its profile drifts
+    back toward that start (``RETRY``), so a row whose text changes gets tried again.
+    """
+
+    def __init__(self):
+        self.draft = [1.0, 1.0]  # [draft candidates confirmed, their summed draft probabilities]
+        self.guesses: dict[tuple, float] = {}  # this iteration's draft paths (tokens) -> raw probability
+        self.lookup: dict[int, list[int]] = {}  # n-gram length -> [tokens confirmed, chains broken]
+        self.proposals: list[tuple[int, list[int]]] = []  # this iteration's (n-gram length, continuation)
+        self.head_profile: list[float] | None = None  # None: cold (see the class docstring)
+
+    def draft_scale(self) -> float:
+        return self.draft[0] / self.draft[1]
+
+    def calibrate_draft(self, tree, nodes: list[int]) -> None:
+        """Remember the draft's own probabilities of ``nodes`` and scale them in ``tree``."""
+        scale = self.draft_scale()
+        self.guesses = {}
+        for node in nodes:
+            self.guesses[tuple(tree.path_tokens(tree.ancestors(node))[1:])] = tree.probs[node]
+            tree.probs[node] = min(1.0, tree.probs[node] * scale)
+
+    def expected_head(self, depth: int, nodes: int) -> list[float]:
+        """The head's next ``nodes`` candidates' acceptance chances, best first (a tree of
+        ``depth`` levels: at most ``depth`` of them can be accepted at once)."""
+        if self.head_profile is None:
+            return _perfect_chain(depth, nodes)
+        return (self.head_profile + [0.0] * nodes)[:nodes]
+
+    def observe_head(self, probs: list[float], depth: int) -> None:
+        """A drafted tree's calibrated candidate probabilities -> the row's head profile."""
+        seen = sorted(probs, reverse=True)
+        old = self.expected_head(depth, max(len(seen), len(self.head_profile or [])))
+        seen += [0.0] * (len(old) - len(seen))
+        first = self.head_profile is None
+        self.head_profile = seen if first else [o + HEAD_MEMORY * (p - o) for o, p in zip(old, seen)]
+
+    def idle_head(self, depth: int) -> None:
+        """An iteration this row did not draft: drift toward the cold start (to be tried again)."""
+        if self.head_profile is not None:
+            cold = _perfect_chain(depth, len(self.head_profile))
+            self.head_profile = [p + RETRY * (c - p) for p, c in zip(self.head_profile, cold)]
+
+    def lookup_rate(self, n: int) -> float:
+        right, broken = self.lookup.get(n, (1, 1))
+        return right / (right + broken)
+
+    def lookup_probs(self, n: int, length: int) -> list[float]:
+        rate = self.lookup_rate(n)
+        return [rate ** (j + 1) for j in range(length)]
+
+    def proposed_lookup(self, n: int, continuation: list[int]) -> None:
+        if continuation:
+            self.proposals.append((n, continuation))
+
+    def update(self, verified, new: list[int]) -> None:
+        """After a verify: ``verified`` is the tree the target scored, ``new`` the tokens it emitted."""
+        for node in range(1, len(verified)):
+            path = tuple(verified.path_tokens(verified.ancestors(node))[1:])
+            if path in self.guesses:
+                self.draft[1] += self.guesses[path]
+                self.draft[0] += list(path) == new[:len(path)]
+        for n, follow in self.proposals:
+            right = 0
+            while right < min(len(follow), len(new)) and follow[right] == new[right]:
+                right += 1
+            counts = self.lookup.setdefault(n, [1, 1])
+            counts[0] += right
+            counts[1] += right < min(len(follow), len(new))
+        self.guesses, self.proposals = {}, []

@@ -1,0 +1,144 @@
+"""The speculation policy: which rows draft, from synthetic costs and estimates, and decoding
+that stays lossless whatever it chooses, rows switching between drafting and not mid-row;
+each row's estimates learned from its own acceptance only."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lyanna_train.runtime.drafting import propose
+from lyanna_train.runtime.pricing.cost import Costs, DraftCost, VerifyCost
+from lyanna_train.runtime.pricing.estimates import AcceptanceEstimates
+from lyanna_train.runtime.pricing.policy import choose_drafting
+from lyanna_train.runtime.scheduling.scheduler import BatchDecoder
+from lyanna_train.runtime.settings import DecodeSettings, LookupSettings, TreeShape
+
+from .conftest import FIT_PROMPTS, LAYER_IDS, greedy_reference, make_draft
+
+CPU_LIKE = VerifyCost([1, 2, 4, 8, 16, 32, 64], [20, 24, 25, 30, 37, 60, 110])  # ms per fused forward
+GOOD_HEAD = [0.8, 0.6, 0.4]  # expected acceptance of the head's best candidates
+
+
+def test_nobody_drafts_where_the_draft_costs_more_than_it_can_return():
+    """Even a perfect head adds at most 3 tokens per forward; a draft step of 500 ms
+    against a 20-37 ms verify never pays: plain (or free) decoding for every row."""
+    costs = Costs(CPU_LIKE, DraftCost([1, 16], [500.0, 520.0]))
+    assert choose_drafting([[]] * 4, [[1.0, 1.0, 1.0]] * 4, costs) == [False] * 4
+
+
+def test_every_row_drafts_where_verify_is_flat_and_drafting_free():
+    """An accelerator's regime: even an unlikely head candidate is worth its slot."""
+    assert choose_drafting([[]] * 8, [[0.05, 0.01]] * 8, Costs.flat()) == [True] * 8
+
+
+def test_only_the_rows_the_head_helps_draft():
+    """A moderate draft cost: rows whose head profile is good draft; rows whose head is
+    poor, or whose free candidates (lookup) already fill what a verify can afford, do not;
+    rows that cannot draft never do."""
+    costs = Costs(CPU_LIKE, DraftCost([1, 2, 4, 8, 16], [6.0, 6.5, 7.0, 8.0, 10.0]))
+    free = [[], [], [0.95, 0.9, 0.85, 0.8, 0.75, 0.7], [], []]
+    head = [GOOD_HEAD, [0.02, 0.01, 0.0], GOOD_HEAD, None, GOOD_HEAD]
+    assert choose_drafting(free, head, costs) == [True, False, False, False, True]
+
+
+def test_a_batch_that_makes_the_verify_dear_stops_drafting():
+    """One row: a good head pays. Sixteen rows at a verify cost that grows steeply with the
+    batch's tokens: no extra token per row pays, so neither does the draft step."""
+    steep = VerifyCost([1, 16, 32, 64], [20.0, 37.0, 200.0, 800.0])
+    costs = Costs(steep, DraftCost([1, 16], [3.0, 8.0]))
+    assert choose_drafting([[]], [GOOD_HEAD], costs) == [True]
+    assert choose_drafting([[]] * 16, [GOOD_HEAD] * 16, costs) == [False] * 16
+
+
+def test_a_row_that_stops_drafting_drifts_back_to_try_again():
+    est = AcceptanceEstimates()
+    assert est.expected_head(3, 5) == [1.0, 1.0, 1.0, 0.0, 0.0]  # cold: a perfect chain
+    est.observe_head([0.1, 0.05], depth=3)
+    assert est.expected_head(3, 3) == [0.1, 0.05, 0.0]
+    est.observe_head([0.3, 0.1], depth=3)
+    assert est.head_profile[0] == pytest.approx(0.1 + 0.3 * (0.3 - 0.1))
+    before = list(est.head_profile)
+    for _ in range(40):
+        est.idle_head(depth=3)
+    assert all(b < a <= 1.0 for a, b in zip(est.head_profile[:2], before[:2]))
+
+
+PROMPTS = list(FIT_PROMPTS)
+MAX_NEW = [30, 20, 26, 14]
+
+
+def _run(target, draft, settings, max_batch=4, cost=None):
+    decoder = BatchDecoder(target, draft, settings, max_batch, cost=cost, eos_ids=(), layer_ids=LAYER_IDS)
+    requests = [decoder.submit(p, n) for p, n in zip(PROMPTS, MAX_NEW)]
+    for _ in decoder.run():
+        pass
+    return decoder, requests
+
+
+def test_rows_switching_between_drafting_and_not_stay_lossless(tiny_target, tiny_fitted, monkeypatch):
+    """Each row drafts on its own schedule (on, off for a few iterations, on again), its
+    step 0 waiting in its backlog meanwhile: every row's tokens are its greedy reference,
+    drafted tokens were accepted, and rows really went plain and came back."""
+    pattern = {}  # request id -> the choices it got
+
+    def scheduled(free, head, costs, limit=None):
+        rows = decoder.rows[:len(free)]
+        out = []
+        for row in rows:
+            seen = pattern.setdefault(row.request.id, [])
+            choice = (len(seen) + row.request.id) % 4 != 0 and (len(seen) // 3 + row.request.id) % 2 == 0
+            seen.append(choice)
+            out.append(choice)
+        return out
+
+    settings = DecodeSettings(TreeShape(3, 2, 2, 6), LookupSettings(4, pool_tokens=4), verify="auto")
+    decoder = BatchDecoder(tiny_target, tiny_fitted[True], settings, 3, eos_ids=(), layer_ids=LAYER_IDS)
+    monkeypatch.setattr(propose, "choose_drafting", scheduled)
+    requests = [decoder.submit(p, n) for p, n in zip(PROMPTS, MAX_NEW)]
+    for _ in decoder.run():
+        pass
+    assert [r.tokens for r in requests] == [greedy_reference(tiny_target, p, n) for p, n in zip(PROMPTS, MAX_NEW)]
+    for choices in pattern.values():
+        assert True in choices and False in choices
+        assert any(a and not b for a, b in zip(choices, choices[1:])) and any(b and not a for a, b in
+                                                                             zip(choices, choices[1:]))
+    assert sum(a - 1 for r in requests for a in r.accept_lengths) > 20
+
+
+def test_the_policy_decodes_losslessly_under_measured_like_costs(tiny_target, tiny_fitted):
+    """No patching: the policy itself chooses, from a CPU-like verify cost and a draft cost
+    that makes drafting pay for some iterations and not others."""
+    costs = Costs(CPU_LIKE, DraftCost([1, 4], [4.0, 6.0]))
+    settings = DecodeSettings(TreeShape(3, 2, 2, 6), LookupSettings(4, pool_tokens=4), verify="auto")
+    _, requests = _run(tiny_target, tiny_fitted[True], settings, cost=costs)
+    assert [r.tokens for r in requests] == [greedy_reference(tiny_target, p, n) for p, n in zip(PROMPTS, MAX_NEW)]
+
+
+def test_a_rows_estimates_never_read_another_rows_acceptance(tiny_target, tiny_fitted):
+    """Row 0 decoded beside a row whose head is always wrong (a random draft's prompt) ends
+    with the same estimates as decoded alone: nothing of the other row leaks into them."""
+    settings = DecodeSettings(TreeShape(3, 2, 2, 6), LookupSettings(4, pool_tokens=4), verify="all")
+    draft = tiny_fitted[True]
+
+    def estimates_of(prompts):
+        decoder = BatchDecoder(tiny_target, draft, settings, len(prompts), eos_ids=(), layer_ids=LAYER_IDS)
+        requests = [decoder.submit(p, 20) for p in prompts]
+        seen = {}
+        for _ in range(40):
+            if decoder.idle:
+                break
+            for row in decoder.rows:
+                seen[row.request.id] = row.estimates
+            decoder.step()
+        return requests, seen
+
+    stranger = [1, 3, 9, 27, 81, 243 % 256, 217, 139, 161]  # not a prompt the draft was fitted on
+    alone, est_alone = estimates_of([PROMPTS[0]])
+    mixed, est_mixed = estimates_of([PROMPTS[0], stranger])
+    assert alone[0].tokens == mixed[0].tokens
+    a, b = est_alone[alone[0].id], est_mixed[mixed[0].id]
+    assert a.draft == pytest.approx(b.draft, rel=1e-5) and a.lookup == b.lookup  # batched GEMMs: float order only
+    assert a.head_profile == pytest.approx(b.head_profile, rel=1e-5)
+    other = est_mixed[mixed[1].id]
+    assert other.draft != pytest.approx(b.draft, rel=1e-2)  # the other row learned something else: this can fail
