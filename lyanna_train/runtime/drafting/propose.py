@@ -90,7 +90,7 @@ def propose_rows(batch, rows: slice) -> list[TokenTree]:
         for row, tree, new, d in zip(active[first:last], trees[first:last], nodes, only):
             if d:
                 row.estimates.calibrate_draft(tree, new)
-                row.estimates.observe_head([tree.probs[n] for n in new], shape.depth)
+                row.estimates.observe_head([tree.probs[n] for n in new])
     for row, tree, free, d in zip(active, trees, frees, drafting):
         row.drafted = d
         if not d:

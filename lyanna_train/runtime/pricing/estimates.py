@@ -3,15 +3,15 @@
 Every running row has its own :class:`AcceptanceEstimates` (never shared: a row's choice
 reads only its own acceptance). They price candidates already proposed (each node's
 chance to be accepted, for the verify width) and, before the head runs, what drafting
-would bring this row (:attr:`AcceptanceEstimates.head_profile`, for the policy's choice
+would bring this row (:attr:`AcceptanceEstimates.head_samples`, for the policy's choice
 of which rows draft).
 """
 
 from __future__ import annotations
 
 POOL = 0  # the "n-gram length" under which pool candidates (:mod:`..drafting.pool_lookup`) are counted
-HEAD_MEMORY = 0.3  # weight of a drafted iteration's tree in the row's head profile (an EMA: drift is followed)
-RETRY = 0.05  # per iteration without drafting, the profile relaxes this far back toward its cold start
+HEAD_SAMPLES = 8  # the head's last trees a row keeps: what drafting bought it, tree by tree
+RETRY = 0.05  # per iteration without drafting, the kept trees relax this far back toward the cold start
 
 
 def _perfect_chain(depth: int, nodes: int) -> list[float]:
@@ -28,11 +28,13 @@ class AcceptanceEstimates:
     per matched n-gram length, the MLE of "the next lookup token is right" (prior 1/2);
     pool candidates are counted as length ``POOL``.
 
-    Head profile: the calibrated probabilities of the head's candidates, best first,
-    averaged over the iterations this row drafted (weight ``HEAD_MEMORY``): the expected
-    acceptance of each of the head's next candidates before it runs. Cold start, before
+    Head samples: the calibrated probabilities of the head's candidates in each of the
+    row's last ``HEAD_SAMPLES`` drafted trees, best first: what drafting is expected to
+    bring before the head runs. Kept tree by tree, not averaged: after drafting the verify
+    still picks its width from the tree it got, so drafting is worth the *mean of the best
+    choice over such trees*, more than the best choice for their mean. Cold start, before
     the row has drafted: a perfect chain (the head's best case), so every row drafts once
-    unless even a perfect draft cannot pay. While a row does not draft, its profile drifts
+    unless even a perfect draft cannot pay. While a row does not draft, its samples drift
     back toward that start (``RETRY``), so a row whose text changes gets tried again.
     """
 
@@ -41,7 +43,7 @@ class AcceptanceEstimates:
         self.guesses: dict[tuple, float] = {}  # this iteration's draft paths (tokens) -> raw probability
         self.lookup: dict[int, list[int]] = {}  # n-gram length -> [tokens confirmed, chains broken]
         self.proposals: list[tuple[int, list[int]]] = []  # this iteration's (n-gram length, continuation)
-        self.head_profile: list[float] | None = None  # None: cold (see the class docstring)
+        self.head_samples: list[list[float]] = []  # the last trees' candidate chances, best first; [] = cold
 
     def draft_scale(self) -> float:
         return self.draft[0] / self.draft[1]
@@ -54,26 +56,21 @@ class AcceptanceEstimates:
             self.guesses[tuple(tree.path_tokens(tree.ancestors(node))[1:])] = tree.probs[node]
             tree.probs[node] = min(1.0, tree.probs[node] * scale)
 
-    def expected_head(self, depth: int, nodes: int) -> list[float]:
-        """The head's next ``nodes`` candidates' acceptance chances, best first (a tree of
-        ``depth`` levels: at most ``depth`` of them can be accepted at once)."""
-        if self.head_profile is None:
-            return _perfect_chain(depth, nodes)
-        return (self.head_profile + [0.0] * nodes)[:nodes]
+    def expected_head(self, depth: int, nodes: int) -> list[list[float]]:
+        """The head's next ``nodes`` candidates' acceptance chances, best first, one list per
+        kept tree (a tree of ``depth`` levels: at most ``depth`` can be accepted at once)."""
+        if not self.head_samples:
+            return [_perfect_chain(depth, nodes)]
+        return [(sample + [0.0] * nodes)[:nodes] for sample in self.head_samples]
 
-    def observe_head(self, probs: list[float], depth: int) -> None:
-        """A drafted tree's calibrated candidate probabilities -> the row's head profile."""
-        seen = sorted(probs, reverse=True)
-        old = self.expected_head(depth, max(len(seen), len(self.head_profile or [])))
-        seen += [0.0] * (len(old) - len(seen))
-        first = self.head_profile is None
-        self.head_profile = seen if first else [o + HEAD_MEMORY * (p - o) for o, p in zip(old, seen)]
+    def observe_head(self, probs: list[float]) -> None:
+        """A drafted tree's calibrated candidate probabilities join the row's samples."""
+        self.head_samples = (self.head_samples + [sorted(probs, reverse=True)])[-HEAD_SAMPLES:]
 
     def idle_head(self, depth: int) -> None:
         """An iteration this row did not draft: drift toward the cold start (to be tried again)."""
-        if self.head_profile is not None:
-            cold = _perfect_chain(depth, len(self.head_profile))
-            self.head_profile = [p + RETRY * (c - p) for p, c in zip(self.head_profile, cold)]
+        self.head_samples = [[p + RETRY * (c - p) for p, c in zip(sample, _perfect_chain(depth, len(sample)))]
+                             for sample in self.head_samples]
 
     def lookup_rate(self, n: int) -> float:
         right, broken = self.lookup.get(n, (1, 1))

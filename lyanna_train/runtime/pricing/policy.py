@@ -5,11 +5,13 @@ tokens per second of (draft + fused verify) time:
 
 1. :func:`choose_drafting`, before the head runs: which rows draft. A row's free
    candidates (prompt lookup, its pool's continuation) cost nothing to propose; the head's
-   cost ``Costs.draft(rows drafting)`` buys each drafting row what its head profile
-   expects (:class:`.estimates.AcceptanceEstimates`). For every verify width W (tokens per
-   row of the fused forward, rows padded to W) and every count s, the s rows whose head
-   adds most at W draft; the best (W, s) wins. A row that does not draft decodes with its
-   free candidates or plainly (W = 1), and the head's forward never runs for it.
+   cost ``Costs.draft(rows drafting)`` buys each drafting row a tree like its last ones
+   (:attr:`.estimates.AcceptanceEstimates.head_samples`). Rows are ranked by what their
+   head adds on average; for every count s, the s best draft, and the rate is averaged
+   over the kept trees of the best verify width W for each (tokens per row of the fused
+   forward, rows padded to W) — drafting keeps the option of verifying little when the
+   tree it gets is poor. The best s wins. A row that does not draft decodes with its free
+   candidates or plainly (W = 1), and the head's forward never runs for it.
 2. :func:`fit_trees`, after drafting: the width W of the fused verify and each row's W - 1
    best candidates (:func:`.cost.best_width`), the draft time now spent.
 
@@ -24,44 +26,49 @@ import heapq
 from itertools import accumulate
 from typing import Sequence
 
+import torch
+
 from ..verification.tree import TokenTree
 from .cost import Costs, VerifyCost, best_width
 
 
 def _prefix(probs: Sequence[float], most: int) -> list[float]:
-    """[0, p_1, p_1 + p_2, ...] over the ``most`` largest of ``probs``."""
-    return [0.0] + list(accumulate(heapq.nlargest(most, probs)))
+    """[0, p_1, p_1 + p_2, ...] over the ``most`` largest of ``probs``, padded to ``most + 1``."""
+    sums = [0.0] + list(accumulate(heapq.nlargest(most, probs)))
+    return sums + [sums[-1]] * (most + 1 - len(sums))
 
 
-def choose_drafting(free: Sequence[Sequence[float]], head: Sequence[Sequence[float] | None], costs: Costs,
+def choose_drafting(free: Sequence[Sequence[float]], head: Sequence[Sequence[Sequence[float]] | None], costs: Costs,
                     limit: int | None = None) -> list[bool]:
     """Which rows draft this iteration.
 
-    free[r]: the acceptance chances of row r's free candidates; head[r]: what the head is
-    expected to add for row r, its candidates' chances best first (None: row r cannot
+    free[r]: the acceptance chances of row r's free candidates; head[r]: for each of row
+    r's kept trees, the chances of the head's candidates best first (None: row r cannot
     draft). ``limit`` caps the verify width. -> a flag per row."""
     rows = len(free)
-    if rows == 0:
-        return []
-    most = 1 + max(len(f) + len(h or ()) for f, h in zip(free, head))
+    drafting = [r for r in range(rows) if head[r]]
+    if not drafting:
+        return [False] * rows
+    most = 1 + max(len(f) + max((len(t) for t in h or [()]), default=0) for f, h in zip(free, head))
     most = min(most, limit) if limit else most
-    alone = [_prefix(f, most - 1) for f in free]
-    both = [_prefix(list(f) + list(h or ()), most - 1) for f, h in zip(free, head)]
-    best_rate, best_rows = -1.0, []
-    for width in range(1, most + 1):
-        k = width - 1
-        base = [1 + a[min(k, len(a) - 1)] for a in alone]
-        gain = sorted(((b[min(k, len(b) - 1)] + 1 - base_r, r) for r, (b, base_r) in enumerate(zip(both, base))
-                       if head[r] is not None), reverse=True)
-        verify = costs.verify(rows * width)
-        total = sum(base)
-        for s in range(len(gain) + 1):
-            if s:
-                total += gain[s - 1][0]
-            rate = total / (costs.draft(s) + verify)
-            if rate > best_rate * (1 + 1e-9):  # ties: fewer drafting rows, narrower widths
-                best_rate, best_rows = rate, [r for _, r in gain[:s]]
-    chosen = set(best_rows)
+    samples = max(len(head[r]) for r in drafting)
+    alone = torch.tensor([_prefix(f, most - 1) for f in free], dtype=torch.float64)  # [R, W]
+    gain = torch.zeros(samples, rows, most, dtype=torch.float64)  # [K, R, W]: what the head adds at width W
+    for r in drafting:
+        trees = head[r]
+        for k in range(samples):  # a row with fewer kept trees repeats them
+            both = _prefix(list(free[r]) + list(trees[k % len(trees)]), most - 1)
+            gain[k, r] = torch.tensor(both, dtype=torch.float64) - alone[r]
+    order = sorted(drafting, key=lambda r: -float(gain[:, r].mean()))
+    widths = torch.arange(1, most + 1)
+    verify = torch.tensor([costs.verify(rows * int(w)) for w in widths], dtype=torch.float64)
+    base = rows + alone.sum(0)  # [W]: every row's own token plus its free candidates
+    added = torch.cumsum(gain[:, order], dim=1)  # [K, s, W]: the s best rows' head, for s = 1..
+    totals = torch.cat([torch.zeros(samples, 1, most, dtype=torch.float64), added], dim=1) + base  # [K, s + 1, W]
+    draft = torch.tensor([costs.draft(s) for s in range(len(order) + 1)], dtype=torch.float64)
+    rates = (totals / (draft[None, :, None] + verify[None, None, :])).amax(dim=2).mean(dim=0)  # [s + 1]
+    best = int(torch.argmax(rates))  # the first of equal rates: fewer drafting rows
+    chosen = set(order[:best])
     return [r in chosen for r in range(rows)]
 
 
