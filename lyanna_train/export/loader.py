@@ -134,4 +134,15 @@ def load_exported(export_dir: str | Path, target, tokenizer=None, *,
     draft = DraftHead(cfg, hot.hot_ids, embeddings)
     draft.to(device=embeddings.device, dtype=state["fc.weight"].dtype)
     draft.load_state_dict(state, strict=True)
+    draft.measured_acceptance = measured_acceptance(manifest)
     return draft.eval(), manifest
+
+
+def measured_acceptance(manifest: dict) -> tuple[float, ...]:
+    """The head's held-out top-1 agreement per unroll step from its training run (what the
+    runtime expects of a row before the row has drafted); () when the run did not measure it."""
+    metrics = manifest.get("metrics") or {}
+    out = []
+    while isinstance(metrics.get(f"eval/heldout_top1_step{len(out)}"), (int, float)):
+        out.append(float(metrics[f"eval/heldout_top1_step{len(out)}"]))
+    return tuple(out)

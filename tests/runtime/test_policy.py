@@ -62,7 +62,9 @@ def test_drafting_is_worth_the_best_choice_per_tree_not_the_choice_for_the_mean_
 
 def test_a_row_that_stops_drafting_drifts_back_to_try_again():
     est = AcceptanceEstimates()
-    assert est.expected_head(3, 5) == [[1.0, 1.0, 1.0, 0.0, 0.0]]  # cold: a perfect chain
+    assert est.expected_head(3, 5) == [[1.0, 1.0, 1.0, 0.0, 0.0]]  # cold, nothing measured: a perfect chain
+    measured = AcceptanceEstimates((0.5, 0.4))  # the head's held-out top-1 per unroll step
+    assert measured.expected_head(3, 4)[0] == pytest.approx([0.5, 0.2, 0.08, 0.0])
     est.observe_head([0.05, 0.1])
     assert est.expected_head(3, 3) == [[0.1, 0.05, 0.0]]
     for i in range(12):
@@ -92,7 +94,7 @@ def test_rows_switching_between_drafting_and_not_stay_lossless(tiny_target, tiny
     drafted tokens were accepted, and rows really went plain and came back."""
     pattern = {}  # request id -> the choices it got
 
-    def scheduled(free, head, costs, limit=None):
+    def scheduled(free, head, costs, **_):
         rows = decoder.rows[:len(free)]
         out = []
         for row in rows:

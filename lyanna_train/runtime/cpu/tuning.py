@@ -136,6 +136,11 @@ def draft_timer(draft: DraftHead, context: int = CONTEXT, repeats: int = REPEATS
     return time_extend
 
 
+def time_catch_up(draft: DraftHead, anchors: int = 64, context: int = CONTEXT, repeats: int = REPEATS) -> float:
+    """Seconds per anchor of one row's step 0 over ``anchors`` waiting ones (a catch-up)."""
+    return draft_timer(draft, context, repeats)(anchors) / anchors
+
+
 def time_drafting(draft: DraftHead, shape: TreeShape, rows: int, context: int = CONTEXT,
                   repeats: int = REPEATS) -> float:
     """Seconds of one drafting iteration for ``rows`` rows at once: their candidate trees in
@@ -247,7 +252,11 @@ def tune(target, draft: DraftHead | None = None, *, shape: TreeShape | None = No
             timings = stored["draft_costs"][name] = [time_drafting(draft, shape, rows) for rows in DRAFT_ROWS]
             changed = True
         draft_cost = DraftCost(DRAFT_ROWS, timings)
+    anchor = stored.get("catch_up_per_anchor") if draft is not None else 0.0
+    if anchor is None:
+        anchor = stored["catch_up_per_anchor"] = time_catch_up(draft)
+        changed = True
     if cache and changed:
         path.parent.mkdir(parents=True, exist_ok=True)
         write_json_atomic(path, stored)
-    return Costs(VerifyCost(SIZES, stored["seconds"]), draft_cost)
+    return Costs(VerifyCost(SIZES, stored["seconds"]), draft_cost, anchor)

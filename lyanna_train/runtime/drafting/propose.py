@@ -10,10 +10,12 @@ padding, untouched) and every drafted row's tree is calibrated by the row's own 
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
 
+from ..pricing.cost import MeasuredCosts
 from ..pricing.estimates import POOL, AcceptanceEstimates
 from ..pricing.policy import choose_drafting
 from ..settings import LookupSettings
@@ -63,11 +65,11 @@ def propose_rows(batch, rows: slice) -> list[TokenTree]:
     sets each row's ``drafted``."""
     active = batch.rows[rows]
     settings, draft = batch.settings, batch.draft
-    frees = []
+    frees, behind = [], []
     for slot, row in zip(range(rows.start, rows.stop), active):
-        current = draft is not None and not batch.draft_state.behind(slot)  # a pool behind its row has no candidates
+        behind.append(draft is not None and batch.draft_state.behind(slot))  # a pool behind its row has no candidates
         frees.append(free_candidates(row.context, row.length, settings.lookup, row.estimates,
-                                     batch.draft_state.row(slot) if current else None,
+                                     batch.draft_state.row(slot) if draft is not None and not behind[-1] else None,
                                      draft.cfg.pool_threshold if draft is not None else 0.0))
     trees = [TokenTree.rooted_at(row.last_token) for row in active]
     shape = settings.tree
@@ -77,20 +79,33 @@ def propose_rows(batch, rows: slice) -> list[TokenTree]:
             drafting = [True] * len(active)
         else:
             head = [row.estimates.expected_head(shape.depth, shape.max_nodes) for row in active]
-            drafting = choose_drafting([[p for c in f for p in c.probs] for f in frees], head, batch.costs,
-                                       limit=batch.width_limit)
+            waiting = [batch.draft_state.waiting(slot) for slot in range(rows.start, rows.stop)]
+            drafting = choose_drafting([[p for c in f for p in c.probs] for f in frees], head,
+                                       batch.costs, limit=batch.width_limit, margin=settings.margin, behind=waiting)
     if any(drafting):
+        begin = time.perf_counter()
         first = drafting.index(True)
         last = len(drafting) - drafting[::-1].index(True)
         span = slice(rows.start + first, rows.start + last)
         only = drafting[first:last]
+        caught = sum(batch.draft_state.waiting(rows.start + i) for i in range(first, last) if drafting[i])
+        start = time.perf_counter()
         catch_up_rows(draft, batch.draft_state, span, only)
+        if isinstance(batch.costs, MeasuredCosts):  # a one-off, not an iteration's cost: priced apart
+            batch.costs.observe_catch_up(caught, time.perf_counter() - start)
+        begin += time.perf_counter() - start
+        for i in range(first, last):  # caught up now: the pool's continuation too
+            if drafting[i] and behind[i] and settings.lookup.pool_tokens:
+                frees[i] += free_candidates(active[i].context, active[i].length, LookupSettings(max_tokens=0,
+                                            pool_tokens=settings.lookup.pool_tokens), active[i].estimates,
+                                            batch.draft_state.row(rows.start + i), draft.cfg.pool_threshold)
         nodes = draft_trees(draft, batch.draft_state, span, [t if d else None for t, d in zip(trees[first:last], only)],
                             shape)
         for row, tree, new, d in zip(active[first:last], trees[first:last], nodes, only):
             if d:
                 row.estimates.calibrate_draft(tree, new)
                 row.estimates.observe_head([tree.probs[n] for n in new])
+        batch.draft_seconds += time.perf_counter() - begin
     for row, tree, free, d in zip(active, trees, frees, drafting):
         row.drafted = d
         if not d:

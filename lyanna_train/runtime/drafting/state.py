@@ -100,6 +100,10 @@ class BatchDraftState:
         """Whether the row has anchors its caches do not hold yet."""
         return bool(self.backlog[slot])
 
+    def waiting(self, slot: int) -> int:
+        """How many anchors the row has waiting for their step 0."""
+        return sum(int(t.shape[0]) for _, t in self.backlog[slot])
+
     def reserve(self, total: int) -> None:
         """Room for ``total`` slots per row (accepted plus scratch)."""
         self.keys, self.values = grow_kv(self.keys, self.values, total)
@@ -181,18 +185,16 @@ def catch_up_rows(draft: DraftHead, state: BatchDraftState, rows: slice, only: l
 def _pool_step(draft: DraftHead, state: BatchDraftState, rows: slice, current: torch.Tensor, positions: torch.Tensor,
                valid: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
     """Retrieve and fuse for every new anchor (candidates: the row's pool, its held-back
-    anchor and the chunk), then pool all but the chunk's last anchor, which is held back."""
+    anchor and the chunk), then pool all but the chunk's last anchor, which is held back.
+    A row with no anchor yet (joining) has no held-back one: its slot is empty."""
     pool = state.pool.rows(rows)
-    started = [state.anchor_pos[r] >= 0 for r in range(rows.start, rows.stop)]
-    if any(started) and not all(started):
-        raise ValueError("rows joining and rows running are extended in separate calls")
-    extra, extra_pos = current, positions.masked_fill(~valid, EMPTY)
+    started = torch.tensor([state.anchor_pos[r] >= 0 for r in range(rows.start, rows.stop)], device=count.device)
     push = valid & (torch.arange(valid.shape[1], device=valid.device)[None] < count[:, None] - 1)
     grown = count > 0
-    if started[0]:
-        extra = torch.cat([state.pending[rows], current], dim=1)
-        extra_pos = torch.cat([positions[:, :1] - 1, extra_pos], dim=1)
-        push = torch.cat([grown[:, None], push], dim=1)
+    extra = torch.cat([state.pending[rows], current], dim=1)
+    held = torch.where(started, positions[:, 0] - 1, torch.full_like(positions[:, 0], EMPTY))
+    extra_pos = torch.cat([held[:, None], positions.masked_fill(~valid, EMPTY)], dim=1)
+    push = torch.cat([(grown & started)[:, None], push], dim=1)
     sim, retrieved = pool.retrieve(current, positions, extra, extra_pos)
     fused, _, _ = draft.pool_fuse(current, sim, retrieved)
     pool.push(extra, extra_pos, push)

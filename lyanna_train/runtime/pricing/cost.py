@@ -57,7 +57,8 @@ def best_count(probs: Sequence[float], cost: VerifyCost) -> int:
     return best
 
 
-def best_width(rows: Sequence[Sequence[float]], cost: VerifyCost, limit: int | None = None) -> int:
+def best_width(rows: Sequence[Sequence[float]], cost: VerifyCost, limit: int | None = None,
+               margin: float = 0.0) -> int:
     """Each row's candidate probabilities (in the order they would be verified) -> W, the
     tokens per row of ONE fused verify forward over all rows (the root included).
 
@@ -67,14 +68,15 @@ def best_width(rows: Sequence[Sequence[float]], cost: VerifyCost, limit: int | N
         Σ_rows (1 + Σ_{i < W} p_row,i) / cost(rows · W)
 
     — the batch's total token count is what the forward costs. With one row this is
-    :func:`best_count` + 1. ``limit`` caps W."""
+    :func:`best_count` + 1. ``limit`` caps W; a width past 1 must beat plain decoding by
+    ``margin`` (the measured costs' error)."""
     most = max((len(p) for p in rows), default=0) + 1
     most = min(most, limit) if limit else most
     prefix = [[0.0] for _ in rows]
     for sums, probs in zip(prefix, rows):
         for p in probs[:most - 1]:
             sums.append(sums[-1] + p)
-    best, best_rate = 1, len(rows) / cost(len(rows))
+    best, best_rate = 1, len(rows) / cost(len(rows)) * (1 + margin)
     for width in range(2, most + 1):
         expected = sum(1 + sums[min(width - 1, len(sums) - 1)] for sums in prefix)
         rate = expected / cost(len(rows) * width)
@@ -106,9 +108,50 @@ class Costs:
 
     verify: VerifyCost
     draft: DraftCost
+    anchor: float = 0.0  # seconds of step 0 per anchor a row that waited catches up (one forward over its backlog)
 
     @classmethod
     def flat(cls) -> "Costs":
         """An accelerator's regime: every verify width costs the same and drafting is free,
         so every row drafts and verifies its whole tree."""
         return cls(VerifyCost.flat(), DraftCost.free())
+
+
+class MeasuredCosts:
+    """The tuned costs rescaled by what this decoder's own iterations take.
+
+    The tuning times a verify of one row and a drafting iteration on random states; a real
+    batch also reads every row's cache, catches up rows that waited and keeps each row's
+    books, so at 16 rows on 2 CPU cores drafting took ~3x its tuned time. Each component
+    keeps an average of measured / tuned (weight ``memory`` for each new iteration) and
+    scales its whole curve by it: the curves' shapes come from the tuning, their levels
+    from the decoding itself."""
+
+    def __init__(self, tuned: Costs, memory: float = 0.2):
+        self.tuned, self.memory = tuned, memory
+        self.verify_scale = self.draft_scale = 1.0
+        self.anchor = tuned.anchor  # a catch-up's seconds per anchor, measured as catch-ups happen
+
+    def verify(self, tokens: int) -> float:
+        return self.verify_scale * self.tuned.verify(tokens)
+
+    def draft(self, rows: int) -> float:
+        return self.draft_scale * self.tuned.draft(rows)
+
+    @property
+    def sizes(self) -> list[int]:
+        return self.tuned.verify.sizes
+
+    def observe_verify(self, tokens: int, seconds: float) -> None:
+        self.verify_scale = self._blend(self.verify_scale, seconds, self.tuned.verify(tokens))
+
+    def observe_draft(self, rows: int, seconds: float) -> None:
+        if rows:
+            self.draft_scale = self._blend(self.draft_scale, seconds, self.tuned.draft(rows))
+
+    def observe_catch_up(self, anchors: int, seconds: float) -> None:
+        if anchors:
+            self.anchor += self.memory * (seconds / anchors - self.anchor)
+
+    def _blend(self, scale: float, seconds: float, tuned: float) -> float:
+        return scale if tuned <= 0 else scale + self.memory * (seconds / tuned - scale)

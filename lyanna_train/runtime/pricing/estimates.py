@@ -14,9 +14,16 @@ HEAD_SAMPLES = 8  # the head's last trees a row keeps: what drafting bought it, 
 RETRY = 0.05  # per iteration without drafting, the kept trees relax this far back toward the cold start
 
 
-def _perfect_chain(depth: int, nodes: int) -> list[float]:
-    """The cold start: the head's best case, its first ``depth`` candidates all accepted."""
-    return [1.0] * min(depth, nodes) + [0.0] * max(nodes - depth, 0)
+def cold_chain(acceptance: tuple[float, ...], depth: int, nodes: int) -> list[float]:
+    """The cold start: a chain whose step j is accepted at the head's measured held-out rate
+    ``acceptance[j]`` (the last one repeated deeper), its other candidates not counted; with
+    nothing measured, the head's best case (a perfect chain)."""
+    rates = list(acceptance) or [1.0]
+    chain, p = [], 1.0
+    for j in range(min(depth, nodes)):
+        p *= rates[min(j, len(rates) - 1)]
+        chain.append(p)
+    return chain + [0.0] * (nodes - len(chain))
 
 
 class AcceptanceEstimates:
@@ -33,17 +40,18 @@ class AcceptanceEstimates:
     bring before the head runs. Kept tree by tree, not averaged: after drafting the verify
     still picks its width from the tree it got, so drafting is worth the *mean of the best
     choice over such trees*, more than the best choice for their mean. Cold start, before
-    the row has drafted: a perfect chain (the head's best case), so every row drafts once
-    unless even a perfect draft cannot pay. While a row does not draft, its samples drift
+    the row has drafted: a chain accepted at the head's measured held-out rates
+    (:func:`cold_chain`; a perfect chain when none were measured). While a row does not draft, its samples drift
     back toward that start (``RETRY``), so a row whose text changes gets tried again.
     """
 
-    def __init__(self):
+    def __init__(self, acceptance: tuple[float, ...] = ()):
         self.draft = [1.0, 1.0]  # [draft candidates confirmed, their summed draft probabilities]
         self.guesses: dict[tuple, float] = {}  # this iteration's draft paths (tokens) -> raw probability
         self.lookup: dict[int, list[int]] = {}  # n-gram length -> [tokens confirmed, chains broken]
         self.proposals: list[tuple[int, list[int]]] = []  # this iteration's (n-gram length, continuation)
-        self.head_samples: list[list[float]] = []  # the last trees' candidate chances, best first; [] = cold
+        self.head_samples: list[list[float]] = []
+        self.acceptance = acceptance  # the head's measured held-out acceptance per step: the cold start  # the last trees' candidate chances, best first; [] = cold
 
     def draft_scale(self) -> float:
         return self.draft[0] / self.draft[1]
@@ -60,7 +68,7 @@ class AcceptanceEstimates:
         """The head's next ``nodes`` candidates' acceptance chances, best first, one list per
         kept tree (a tree of ``depth`` levels: at most ``depth`` can be accepted at once)."""
         if not self.head_samples:
-            return [_perfect_chain(depth, nodes)]
+            return [cold_chain(self.acceptance, depth, nodes)]
         return [(sample + [0.0] * nodes)[:nodes] for sample in self.head_samples]
 
     def observe_head(self, probs: list[float]) -> None:
@@ -69,7 +77,7 @@ class AcceptanceEstimates:
 
     def idle_head(self, depth: int) -> None:
         """An iteration this row did not draft: drift toward the cold start (to be tried again)."""
-        self.head_samples = [[p + RETRY * (c - p) for p, c in zip(sample, _perfect_chain(depth, len(sample)))]
+        self.head_samples = [[p + RETRY * (c - p) for p, c in zip(sample, cold_chain(self.acceptance, depth, len(sample)))]
                              for sample in self.head_samples]
 
     def lookup_rate(self, n: int) -> float:

@@ -38,13 +38,19 @@ def _prefix(probs: Sequence[float], most: int) -> list[float]:
     return sums + [sums[-1]] * (most + 1 - len(sums))
 
 
+CATCH_UP_HORIZON = 8  # iterations a row's catch-up (its waiting anchors' step 0) is paid back over
+
+
 def choose_drafting(free: Sequence[Sequence[float]], head: Sequence[Sequence[Sequence[float]] | None], costs: Costs,
-                    limit: int | None = None) -> list[bool]:
+                    limit: int | None = None, margin: float = 0.0, behind: Sequence[int] | None = None) -> list[bool]:
     """Which rows draft this iteration.
 
     free[r]: the acceptance chances of row r's free candidates; head[r]: for each of row
     r's kept trees, the chances of the head's candidates best first (None: row r cannot
-    draft). ``limit`` caps the verify width. -> a flag per row."""
+    draft). ``limit`` caps the verify width; any speculation must beat plain decoding by
+    ``margin``. behind[r]: the anchors row r has waiting, caught up before it drafts (their
+    step 0, ``costs.anchor`` each, charged over ``CATCH_UP_HORIZON`` iterations). -> a flag
+    per row."""
     rows = len(free)
     drafting = [r for r in range(rows) if head[r]]
     if not drafting:
@@ -65,15 +71,19 @@ def choose_drafting(free: Sequence[Sequence[float]], head: Sequence[Sequence[Seq
     base = rows + alone.sum(0)  # [W]: every row's own token plus its free candidates
     added = torch.cumsum(gain[:, order], dim=1)  # [K, s, W]: the s best rows' head, for s = 1..
     totals = torch.cat([torch.zeros(samples, 1, most, dtype=torch.float64), added], dim=1) + base  # [K, s + 1, W]
-    draft = torch.tensor([costs.draft(s) for s in range(len(order) + 1)], dtype=torch.float64)
-    rates = (totals / (draft[None, :, None] + verify[None, None, :])).amax(dim=2).mean(dim=0)  # [s + 1]
+    catch_up = [0.0] + list(accumulate((behind[r] if behind else 0) * costs.anchor / CATCH_UP_HORIZON for r in order))
+    draft = torch.tensor([costs.draft(s) + catch_up[s] for s in range(len(order) + 1)], dtype=torch.float64)
+    rates = totals / (draft[None, :, None] + verify[None, None, :])  # [K, s + 1, W]
+    rates[:, :, 1:] /= 1 + margin  # speculation has to beat plain decoding (s = 0, W = 1) by the margin
+    rates[:, 1:, 0] /= 1 + margin
+    rates = rates.amax(dim=2).mean(dim=0)  # [s + 1]
     best = int(torch.argmax(rates))  # the first of equal rates: fewer drafting rows
     chosen = set(order[:best])
     return [r in chosen for r in range(rows)]
 
 
 def fit_trees(trees: list[TokenTree], room: Sequence[int | None], cost: VerifyCost | None,
-              shallow_first: bool = False) -> list[TokenTree]:
+              shallow_first: bool = False, margin: float = 0.0) -> list[TokenTree]:
     """The nodes each row verifies: no node past its row's ``room`` (depths left in the
     target's context, None: unbounded); with a ``cost`` (``verify: auto``) the best W - 1
     of every row, W chosen for the whole fused forward."""
@@ -81,7 +91,7 @@ def fit_trees(trees: list[TokenTree], room: Sequence[int | None], cost: VerifyCo
     if cost is None:
         return trees
     ranked = [tree.ranked(shallow_first) for tree in trees]
-    width = best_width([[tree.probs[n] for n in order] for tree, order in zip(trees, ranked)], cost)
+    width = best_width([[tree.probs[n] for n in order] for tree, order in zip(trees, ranked)], cost, margin=margin)
     return [tree.best(width - 1, shallow_first) for tree in trees]
 
 

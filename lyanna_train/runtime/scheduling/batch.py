@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ...models.draft_head import DraftHead
-from ..drafting.state import BatchDraftState, chunk_mask, extend_rows
+from ..drafting.state import BatchDraftState, chunk_mask
 from ..pricing.cost import Costs
 from ..pricing.estimates import AcceptanceEstimates
 from ..settings import DecodeSettings
@@ -59,10 +59,11 @@ class Batch:
     cache: RaggedCache
     draft_state: BatchDraftState | None
     settings: DecodeSettings
-    costs: Costs
+    costs: Costs  # or a MeasuredCosts: anything with verify(tokens) and draft(rows) in seconds
     max_positions: int | None  # the target's context (None: unbounded)
     rows: list[Row] = field(default_factory=list)
     width_limit: int | None = None  # most tokens per row a fused verify takes (the measured range)
+    draft_seconds: float = 0.0  # the head's work in the current iteration (catch-up, trees, step 0)
 
 
 def next_token(logits: torch.Tensor, row: Row) -> int:
@@ -84,8 +85,8 @@ def prefill_row(batch: Batch, slot: int, row: Row) -> int:
                                  chunk_mask(offsets, p, p), logits_to_keep=1)
     batch.cache.advance(slot, p)
     first = next_token(logits[0, -1], row)
-    if batch.draft is not None:
+    if batch.draft is not None:  # the draft's step 0 over the prompt waits until the row first drafts
         batch.draft_state.reset_row(slot)
         following = torch.cat([prompt[:, 1:], torch.tensor([[first]], device=device)], dim=1)
-        extend_rows(batch.draft, batch.draft_state, slice(slot, slot + 1), aux, following, [p])
+        batch.draft_state.defer(slice(slot, slot + 1), aux, following, [p])
     return first

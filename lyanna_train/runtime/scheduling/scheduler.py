@@ -37,7 +37,8 @@ import torch
 from ...models.draft_head import DraftHead
 from ..drafting.propose import propose_rows
 from ..drafting.state import BatchDraftState
-from ..pricing.cost import Costs
+from ..pricing.cost import Costs, MeasuredCosts
+from ..pricing.estimates import AcceptanceEstimates
 from ..pricing.policy import fit_trees
 from ..settings import DecodeSettings, FusionSettings, SamplingParams
 from ..verification.step import accept_rows, verify_rows
@@ -80,7 +81,7 @@ class BatchDecoder:
         self.max_batch, self.fusion = max_batch, fusion or settings.fusion
         self.batch = Batch(target, draft, capture, RaggedCache.for_model(target, max_batch),
                            BatchDraftState(draft, max_batch) if draft is not None else None, settings,
-                           cost if cost is not None else Costs.flat(),
+                           _measured(cost, target),
                            getattr(target.config, "max_position_embeddings", None),
                            width_limit=cost.verify.sizes[-1] if cost is not None else None)
         self.eos = frozenset(stop_ids(target, eos_ids))
@@ -153,7 +154,8 @@ class BatchDecoder:
             request = self.waiting.popleft()
             context = torch.zeros(len(request.prompt) + request.max_new_tokens + 64, dtype=torch.long)
             context[:len(request.prompt)] = torch.tensor(request.prompt)
-            row = Row(request, context, len(request.prompt), torch.Generator().manual_seed(request.seed))
+            row = Row(request, context, len(request.prompt), torch.Generator().manual_seed(request.seed),
+                      AcceptanceEstimates(getattr(self.batch.draft, "measured_acceptance", ())))
             slot = len(self.rows)
             self.rows.append(row)
             request.status = Status.RUNNING
@@ -167,9 +169,15 @@ class BatchDecoder:
         active = self.rows[rows]
         room = [None if self.batch.max_positions is None else self.batch.max_positions - row.length for row in active]
         verify = self.batch.costs.verify if self.batch.settings.verify != "all" else None
-        trees = fit_trees(trees, room, verify, self.fusion.shallow_first)  # no node past a row's context
+        trees = fit_trees(trees, room, verify, self.fusion.shallow_first, self.batch.settings.margin)
+        begin = time.perf_counter()
         logits, aux = verify_rows(self.batch, rows, trees)
+        verified = time.perf_counter() - begin
         news = accept_rows(self.batch, rows, trees, logits, aux)
+        if isinstance(self.batch.costs, MeasuredCosts):  # what this iteration took, for the next ones' choices
+            self.batch.costs.observe_verify(len(trees) * max(len(t) for t in trees), verified)
+            self.batch.costs.observe_draft(sum(row.drafted for row in active), self.batch.draft_seconds)
+        self.batch.draft_seconds = 0.0
         for row, tree, new in zip(active, trees, news):
             row.request.target_forwards += 1
             row.request.accept_lengths.append(len(new))
@@ -218,6 +226,14 @@ class BatchDecoder:
                     if self.batch.draft_state is not None:
                         self.batch.draft_state.reset_row(slot)
                 self.rows.pop()
+
+
+def _measured(cost: Costs | None, target):
+    """The costs the policy weighs: the tuned ones, rescaled online by what iterations take
+    on this CPU (an accelerator's are left as given; None: :meth:`.Costs.flat`)."""
+    if cost is None:
+        return Costs.flat()
+    return MeasuredCosts(cost) if target.device.type == "cpu" else cost
 
 
 def generate_batch(target, draft: DraftHead | None, prompts: Sequence, max_new_tokens: int,

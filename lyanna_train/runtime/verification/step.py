@@ -13,6 +13,8 @@ applied to its own logits, which a row's padding and the other rows never touch.
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from ..drafting.state import extend_rows
@@ -76,6 +78,8 @@ def _extend_drafts(batch, rows: slice, paths: list[list[int]], news: list[list[i
     now = [row.drafted and not state.behind(slot) for slot, row in zip(range(rows.start, rows.stop), active)]
     state.defer(rows, chosen, following, [0 if n else len(p) for p, n in zip(paths, now)])
     if any(now):  # the forward spans the first to the last extending row only
+        begin = time.perf_counter()
         first, last = now.index(True), len(now) - now[::-1].index(True)
         extend_rows(batch.draft, state, slice(rows.start + first, rows.start + last), chosen[first:last],
                     following[first:last], [len(p) if n else 0 for p, n in zip(paths[first:last], now[first:last])])
+        batch.draft_seconds += time.perf_counter() - begin
