@@ -106,8 +106,8 @@ def build(corpus_specs: list[str], tokenizer_spec: str, out: str | Path, request
 def _build(corpus_specs, tokenizer_spec, out, requests, settings, num_proc, overwrite, progress, say) -> dict:
     if not requests:
         raise LyannaError("no selection requested (give --ratios, --sizes or --coverage)")
-    out = check_output_dir(out, overwrite)
     corpus = Corpus.resolve(corpus_specs)
+    out = check_output_dir(out, overwrite, inputs=[*corpus_specs, *(s.path for s in corpus.sources), tokenizer_spec])
     ref = resolve_target(tokenizer_spec)
     tokenizer = load_tokenizer(ref)
     tok_dir = tokenizer_dir(ref)
@@ -196,7 +196,7 @@ def _merge(directories, out, requests, overwrite, say) -> dict:
         raise LyannaError("no selection requested (give --ratios, --sizes or --coverage)")
     if len(directories) < 1:
         raise LyannaError("merge needs at least one count directory")
-    out = check_output_dir(out, overwrite)
+    out = check_output_dir(out, overwrite, inputs=directories)
     loaded = [artifact.load_counts(d) for d in directories]
     first = loaded[0][0]
     for d, (m, _, _) in zip(directories, loaded):
