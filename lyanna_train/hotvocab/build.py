@@ -19,7 +19,7 @@ from ..target.loading import load_tokenizer, resolve_target, tokenizer_dir
 from . import artifact
 from .counting import CountResult, CountSettings, count_corpus
 from .report import plot_coverage, selection_table, write_report
-from .selection import SelectionRequest, coverage_curve, rank_tokens, select
+from .selection import SelectionRequest, check_sizes, coverage_curve, rank_tokens, select
 
 
 def end_of_turn_ids(tokenizer) -> tuple[list[int], list[str]]:
@@ -84,6 +84,9 @@ def _check_result(result: CountResult, settings: CountSettings) -> None:
 def _report_notes(result: CountResult, say) -> None:
     for t in result.notes.truncated:
         say(f"warning: {t.path} is truncated at byte {t.byte_offset}: recovered its {t.records} complete records")
+    for b in result.notes.binary:
+        say(f"warning: {b.path}: {b.lines:,} lines hold bytes that are not UTF-8 text (binary data?); they were "
+            "counted with U+FFFD in place of those bytes")
     if result.notes.skipped:
         parts = [f"{n} × {reason} (first: {result.notes.first_skip[reason]})" for reason, n in result.notes.skipped.items()]
         say(f"skipped {result.notes.n_skipped} records: " + "; ".join(parts))
@@ -112,6 +115,7 @@ def _build(corpus_specs, tokenizer_spec, out, requests, settings, num_proc, over
     tokenizer = load_tokenizer(ref)
     tok_dir = tokenizer_dir(ref)
     vocab = vocab_size(tokenizer)
+    check_sizes(requests, vocab)  # now, not after the whole corpus is counted
     forced, forced_strings = end_of_turn_ids(tokenizer)
     if settings.mode == "assistant" and not getattr(tokenizer, "chat_template", None):
         raise LyannaError(f"tokenizer {tokenizer_spec} has no chat template: use --count all to count raw text")
