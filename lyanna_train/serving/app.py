@@ -290,4 +290,6 @@ def _add_error_handlers(app: FastAPI, engine: Engine) -> None:
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, err: HTTPException):
-        return JSONResponse(error_body(str(err.detail), "invalid_request_error"), status_code=err.status_code)
+        code = "request_too_large" if err.status_code == 413 else None  # a chunked body past --max-body-bytes
+        return JSONResponse(error_body(str(err.detail), "invalid_request_error", code=code),
+                            status_code=err.status_code)

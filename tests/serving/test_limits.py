@@ -128,6 +128,7 @@ def test_a_body_past_the_limit_is_a_413_whether_its_length_is_given_or_not(limit
     response = httpx.post(f"{limited.base_url}/completions", content=chunks(),
                           headers={"content-type": "application/json"}, timeout=60)
     assert response.status_code == 413 and "--max-body-bytes" in response.text
+    assert response.json()["error"]["code"] == "request_too_large"
     assert limited.engine.live_requests == 0
     assert _post(limited, {"model": MODEL, "prompt": "hi", "max_tokens": 2}).status_code == 200
 
