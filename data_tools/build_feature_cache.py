@@ -43,6 +43,8 @@ def build_parser() -> argparse.ArgumentParser:
 @entry_point("build_feature_cache")
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
+    from lyanna_train.atomic import check_apart
+    from lyanna_train.data.corpus import Corpus
     from lyanna_train.data.feature_cache_writer import CacheSettings
     from lyanna_train.locks import output_lock
 
@@ -50,6 +52,7 @@ def main(argv: list[str]) -> int:
         raise LyannaError("--max-samples must be at least 1")
     settings = CacheSettings(max_length=args.max_length, shard_tokens=args.shard_tokens,
                              batch_tokens=args.batch_tokens)
+    check_apart(args.out, [*args.corpus, *(s.path for s in Corpus.resolve(args.corpus).sources), args.target])
     # one writer per shard of --out, claimed before the target is loaded (minutes for a large one)
     with output_lock(args.out, tag=f".shard-{args.shard[0]}of{args.shard[1]}"):
         return _build(args, settings)

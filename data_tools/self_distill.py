@@ -14,6 +14,7 @@ import argparse
 import time
 from pathlib import Path
 
+from lyanna_train.atomic import check_apart
 from lyanna_train.cli.common import entry_point
 from lyanna_train.data.conversations import Document
 from lyanna_train.data.corpus import Corpus, ReadNotes, iter_documents
@@ -41,6 +42,7 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
     check_output_path(args.out)
+    check_apart(args.out, [*args.corpus, *(s.path for s in Corpus.resolve(args.corpus).sources), args.target])  # it appends to --out
     with output_lock(args.out):  # one writer per output file
         return _run(args)
 

@@ -6,19 +6,22 @@ built in a hidden temporary sibling and renamed only once everything is written.
 Temporary siblings carry the writer's pid (``.<name>.partial-<pid>``), so the next
 run in that folder removes those of processes that no longer exist (killed with
 ``kill -9``, or on a machine that lost power). Writability is checked before long work
-(:func:`check_writable`), so a read-only or missing folder fails in the first second.
+(:func:`check_writable`), so a read-only or missing folder fails in the first second,
+and an output that is, holds or lies inside what the command reads is refused whatever
+``--overwrite`` says (:func:`check_apart`): replacing it would delete the input.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import re
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Iterator
+from typing import Iterable, Iterator
 
 from .errors import LyannaError, os_error_line, write_failure
 
@@ -111,13 +114,52 @@ def check_writable(path: str | os.PathLike, what: str = "output") -> Path:
         with tempfile.NamedTemporaryFile(dir=probe_dir, prefix=".lyanna-write-probe-"):
             pass
     except OSError as err:
-        raise LyannaError(f"cannot write {what} {path}: {probe_dir}: {err.strerror or err}") from None
+        cause = err.strerror or str(err)
+        if err.errno == errno.ENOENT:  # the folder is there: its filesystem takes no new files (/proc, /sys)
+            kind = _filesystem_type(probe_dir)
+            cause = f"files cannot be created there ({kind + ' ' if kind else ''}filesystem)"
+        raise LyannaError(f"cannot write {what} {path}: {probe_dir}: {cause}") from None
     return path
 
 
-def check_output_dir(path: str | os.PathLike, overwrite: bool) -> Path:
-    """Fail *before* any work if ``path`` exists and may not be replaced, or cannot be written."""
+def _filesystem_type(path: Path) -> str | None:
+    """The type of the filesystem ``path`` is on (``proc``, ``sysfs``, ``ext4``), from the mount table."""
+    real, best = os.path.realpath(path), (-1, None)
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/self/mounts").read_text().splitlines():
+            fields = line.split()
+            if len(fields) > 2 and (real == fields[1] or real.startswith(fields[1].rstrip("/") + "/")):
+                best = max(best, (len(fields[1]), fields[2]))
+    return best[1]
+
+
+def check_apart(output: str | os.PathLike, inputs: Iterable[str | os.PathLike | None], flag: str = "--out") -> None:
+    """Refuse an ``output`` that is, contains or lies inside one of the ``inputs`` that exist
+    on disk (symlinks and relative paths resolved), whatever ``--overwrite`` says: writing it
+    would replace or mix with what the command reads (``lyanna-export RUN --out RUN`` deleted the run)."""
+    out = Path(os.path.realpath(output))
+    found = []  # (severity, relation, input): the one that would lose most is named
+    for given in inputs:
+        if given is None or not os.path.exists(given):
+            continue  # a name (an embedded model or corpus), not a path
+        source = Path(os.path.realpath(given))
+        for severity, (relation, overlaps) in enumerate((("is", out == source), ("contains", source.is_relative_to(out)),
+                                                         ("lies inside", out.is_relative_to(source)))):
+            if overlaps:
+                found.append((severity, relation, given))
+                break
+    if found:
+        _, relation, given = min(found, key=lambda f: f[0])
+        raise LyannaError(f"{flag} {output} {relation} the input {given}: writing it would "
+                          f"{'change' if relation == 'lies inside' else 'replace'} what this command reads; "
+                          "choose an output outside it")
+
+
+def check_output_dir(path: str | os.PathLike, overwrite: bool, inputs: Iterable = ()) -> Path:
+    """Fail *before* any work if ``path`` exists and may not be replaced, overlaps one of
+    ``inputs`` (:func:`check_apart`), or cannot be written."""
     path = Path(path)
+    check_apart(path, inputs)
     if path.exists() and not overwrite:
         raise LyannaError(f"output directory {path} already exists (pass --overwrite to replace it)")
     if path.exists() and not path.is_dir():

@@ -89,6 +89,29 @@ def write_jsonl(path: Path, records) -> Path:
     return path
 
 
+DAMAGED = {  # corpus file -> the words the one-line refusal has (issue 24: each was a traceback)
+    "truncated.jsonl.gz": "is truncated: the compressed stream ends before its end marker",
+    "random.jsonl.gz": "is not valid gzip data",
+    "corrupt.parquet": "is not a readable Parquet file",
+}
+
+
+def write_damaged(directory: Path, name: str, records) -> Path:
+    """``name`` of :data:`DAMAGED` in ``directory``: a gzip cut in half, random bytes named .gz,
+    or a Parquet file whose body is random bytes."""
+    import gzip
+
+    path = directory / name
+    if name == "truncated.jsonl.gz":
+        data = gzip.compress("".join(json.dumps(r) + "\n" for r in records * 50).encode())
+        path.write_bytes(data[: len(data) // 2])
+    elif name == "random.jsonl.gz":
+        path.write_bytes(bytes(range(256)) * 16)
+    else:
+        path.write_bytes(b"PAR1" + bytes(range(256)) * 12 + b"PAR1")
+    return path
+
+
 @pytest.fixture(scope="session")
 def tiny_llama_smollm2_vocab():
     """A tiny random Llama over the SmolLM2 vocabulary: real tokenizer, instant forward."""

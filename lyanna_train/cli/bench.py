@@ -128,6 +128,7 @@ def _environment(target) -> dict:
 
 @entry_point("lyanna-bench")
 def main(argv: list[str]) -> int:
+    from ..atomic import check_apart
     from ..errors import LyannaError
     from ..evaluation import benchmark as B
     from ..evaluation.prompts import Question, read_questions
@@ -147,6 +148,7 @@ def main(argv: list[str]) -> int:
     questions = read_questions(args.prompts, args.num_prompts or None,
                                tuple(c.strip() for c in args.categories.split(",") if c.strip()))
     out = Path(args.out or f"checkpoints/bench-{Path(args.draft or args.target).name}-{Path(args.prompts).stem}")
+    check_apart(out, (args.draft, args.target, args.prompts))  # the results replace --out whatever it holds
     with output_lock(out):  # checks --out can be written now, not after the whole benchmark; one writer
         return _run(args, names, settings, questions, out)
 
@@ -198,6 +200,7 @@ def _run(args, names: list[str], settings, questions: list, out: Path) -> int:
 
 
 def _batched_main(args) -> int:
+    from ..atomic import check_apart
     from ..errors import LyannaError
     from ..evaluation import batched as BB
     from ..evaluation.prompts import read_questions
@@ -219,6 +222,7 @@ def _batched_main(args) -> int:
     if len(questions) < max(sizes):
         raise LyannaError(f"batch size {max(sizes)} needs {max(sizes)} prompts; {args.prompts} gives {len(questions)}")
     out = Path(args.out or f"checkpoints/bench-batched-{Path(args.draft or args.target).name}-{Path(args.prompts).stem}")
+    check_apart(out, (args.draft, args.target, args.prompts))
     with output_lock(out):
         return _run_batched(args, names, holds, sizes, settings, questions, out)
 

@@ -113,6 +113,23 @@ def read_prompts(args) -> list:
     return [Question(1, "stdin", (text,))]
 
 
+def turn_budget(asked: int, prompt_tokens: int, context: int | None, where: str) -> int:
+    """New tokens for one turn: ``asked``, cut to the room the prompt leaves in the target's
+    context (said on stderr); a prompt that leaves none is one line."""
+    if context is None:
+        return asked
+    room = context - prompt_tokens
+    if room < 1:
+        from ..errors import LyannaError
+
+        raise LyannaError(f"{where}: the prompt has {prompt_tokens} tokens; the target's context is {context} "
+                          f"(at most {context - 1} in the prompt, to leave room for one new token)")
+    if asked > room:
+        print(f"warning: {where}: {prompt_tokens} prompt tokens leave room for {room} of the "
+              f"{asked} --max-new-tokens in the target's context of {context}: it stops there", file=sys.stderr)
+    return min(asked, room)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="lyanna-generate", description="Generate with the target model, "
                                 "speculatively decoded with an exported Lyanna draft head (greedy output is "
@@ -120,7 +137,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("prompt", nargs="*", metavar="PROMPT", help="prompt text(s); none: --file or stdin")
     p.add_argument("--file", help="prompts: JSONL (turns / prompt / text / instruction) or .txt (blank-line-separated)")
     add_model_args(p)
-    p.add_argument("--max-new-tokens", type=int, default=256, help="per turn (default 256)")
+    p.add_argument("--max-new-tokens", type=int, default=256, help="per turn (default 256); must fit the target's "
+                   "context, and a turn whose prompt leaves less room stops at the context's end")
     p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=True,
                    help="render prompts with the tokenizer's chat template (default on)")
     p.add_argument("--show-acceptance", action="store_true",
@@ -141,6 +159,10 @@ def main(argv: list[str]) -> int:
     settings = load_decode_settings(args.decode, args.overrides)
     questions = read_prompts(args)
     target, tokenizer, draft, cost = load_and_tune(args, settings.tree.depth > 0, settings.tree)
+    context = getattr(target.config, "max_position_embeddings", None)
+    if context is not None and args.max_new_tokens >= context:  # before any turn allocates for it
+        raise LyannaError(f"--max-new-tokens {args.max_new_tokens} does not fit the target's context of {context} "
+                          f"positions (at most {context - 1}, after a one-token prompt)")
     mark = ("colour" if sys.stdout.isatty() else "brackets") if args.show_acceptance else None
     total = sum(len(q.turns) for q in questions)
     done = 0
@@ -152,8 +174,9 @@ def main(argv: list[str]) -> int:
                 print(f">>> [{done}/{total}] {turn.splitlines()[0][:70]}", file=sys.stderr)
             messages.append({"role": "user", "content": turn})
             streamer = RunStreamer(tokenizer, sys.stdout, mark)
-            result = generate(target, draft, render_prompt(tokenizer, messages, args.chat), args.max_new_tokens,
-                              settings, on_tokens=streamer.put_tokens, cost=cost)
+            prompt = render_prompt(tokenizer, messages, args.chat)
+            budget = turn_budget(args.max_new_tokens, len(prompt), context, f"prompt {q.question_id} turn {len(messages) // 2 + 1}")
+            result = generate(target, draft, prompt, budget, settings, on_tokens=streamer.put_tokens, cost=cost)
             streamer.end()
             messages.append({"role": "assistant", "content": tokenizer.decode(result.tokens, skip_special_tokens=True)})
             print(summary_line(result), file=sys.stderr)

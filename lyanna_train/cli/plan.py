@@ -47,7 +47,29 @@ def compose(overrides: list[str]):
         with initialize_config_dir(config_dir=str(conf_dir()), version_base=None):
             return hydra_compose(config_name="config", overrides=list(overrides))
     except (HydraException, OmegaConfBaseException) as err:
-        raise LyannaError(f"config: {str(err).strip().splitlines()[0]}") from None
+        raise LyannaError(f"config: {config_error(err)}") from None
+
+
+_HYDRA_TRAILERS = ("See https://", "Config search path", "Available options", "full_key:", "object_type=")
+
+
+def config_error(err: Exception) -> str:
+    """Hydra's several-line message (and the OmegaConf error under it) as one line: what is
+    wrong, the cause (``Value 'abc' ... could not be converted to Float``), the choices."""
+    lines = []
+    for line in str(err).strip().splitlines():
+        if line.strip().startswith(_HYDRA_TRAILERS):
+            break
+        if line.strip():
+            lines.append(line.strip())
+    message = " ".join(lines) or type(err).__name__
+    cause = err.__cause__ if isinstance(err.__cause__, Exception) else None
+    if cause is not None:
+        message += f": {config_error(cause)}"
+    options = getattr(err, "options", None)  # MissingConfigException: an unknown +recipe=NAME
+    if options:
+        message += f" (choose from {', '.join(options)})"
+    return message
 
 
 def _local_gpu_memory() -> float | None:

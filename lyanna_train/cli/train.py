@@ -4,10 +4,17 @@
 or under the DeepSpeed launcher, which appends ``--local_rank=N``:
 that flag is taken out of the arguments (and put in ``LOCAL_RANK``) before Hydra
 parses them. Recipes in ``recipes/`` are registered as the ``recipe`` config group.
+
+Before Hydra runs (it writes ``hydra/`` into ``train.out_dir`` and prints several lines for
+an error of its own) and before the slow imports (torch, DeepSpeed's op check), the
+overrides are composed once, so that an unknown recipe or a value of the wrong type is one
+line, and the main rank claims the run folder: a folder that cannot be written, or that
+another run holds, is refused in about a second (:func:`claimed_early`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 
@@ -59,6 +66,39 @@ def run(cfg) -> None:
         raise SystemExit(2) from None
 
 
+def _main_rank() -> bool:
+    return os.environ.get("RANK", os.environ.get("LOCAL_RANK", "0")) == "0"
+
+
+@contextlib.contextmanager
+def claimed_early(overrides: list[str]):
+    """Compose ``overrides`` and, on the main rank, hold ``train.out_dir``'s lock for the run
+    (the trainer's own claim nests in it); errors exit 2 with one line. Hydra's own flags
+    (``--cfg``, ``-m``...) leave all of it to Hydra."""
+    if any(arg.startswith("-") for arg in overrides):
+        yield
+        return
+    from ..atomic import check_writable
+    from ..errors import LyannaError, os_error_line
+    from ..locks import run_folder_lock
+    from .plan import compose
+
+    with contextlib.ExitStack() as stack:
+        try:
+            out_dir = compose(overrides).train.out_dir
+            if _main_rank():
+                check_writable(out_dir, "run folder")
+                os.makedirs(out_dir, exist_ok=True)
+                stack.enter_context(run_folder_lock(out_dir))
+        except LyannaError as err:
+            print(f"lyanna-train: error: {err}", file=sys.stderr)
+            raise SystemExit(2) from None
+        except OSError as err:
+            print(f"lyanna-train: error: cannot create run folder {out_dir}: {os_error_line(err)}", file=sys.stderr)
+            raise SystemExit(2) from None
+        yield
+
+
 def main() -> None:
     import hydra
 
@@ -69,8 +109,9 @@ def main() -> None:
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     sys.argv = [sys.argv[0], *take_local_rank(sys.argv[1:])]
-    register_configs()
-    hydra.main(config_path=str(conf_dir()), config_name="config", version_base=None)(run)()
+    with claimed_early(sys.argv[1:]):
+        register_configs()
+        hydra.main(config_path=str(conf_dir()), config_name="config", version_base=None)(run)()
 
 
 if __name__ == "__main__":

@@ -3,20 +3,25 @@
 A corpus argument may be an embedded name (``sharegpt``), a file, a directory (searched
 recursively, or loaded with ``datasets.load_from_disk`` when it is a saved dataset) or a
 glob. Every record -- malformed ones included -- gets a global index in stream order;
-sharding and the held-out split are functions of that index only.
+sharding and the held-out split are functions of that index only. A file that cannot be
+decoded (a truncated or garbled ``.gz``, a corrupt Parquet file) is one ``LyannaError``
+naming it and the cause; a text file holding bytes that are not UTF-8 is read with U+FFFD
+in their place and noted (:class:`Binary`), so that the caller can warn with a count.
 """
 
 from __future__ import annotations
 
 import glob
+import gzip
 import hashlib
 import os
+import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator, Union
 
 from ..embedded import EMBEDDED_CORPORA
-from ..errors import LyannaError
+from ..errors import LyannaError, os_error_line
 from .conversations import Document, Skip, to_document
 from .json_stream import Malformed, Truncated, iter_json_array, iter_jsonl, open_binary
 
@@ -42,11 +47,20 @@ class Source:
     origin: str  # the corpus argument it came from
 
 
+@dataclass(frozen=True)
+class Binary:
+    """A text file with ``lines`` lines that are not UTF-8 text (or hold NUL bytes): binary data?"""
+
+    path: str
+    lines: int
+
+
 @dataclass
 class ReadNotes:
-    """What reading found besides documents: truncations and skipped records."""
+    """What reading found besides documents: truncations, binary text files, skipped records."""
 
     truncated: list[Truncated] = field(default_factory=list)
+    binary: list[Binary] = field(default_factory=list)
     skipped: dict[str, int] = field(default_factory=dict)  # reason -> count
     first_skip: dict[str, str] = field(default_factory=dict)  # reason -> example location
 
@@ -151,12 +165,18 @@ class Corpus:
         return "sha256:" + h.hexdigest()
 
 
-def _iter_text_blocks(path: Path) -> Iterator[str]:
-    """Documents of a text file: blocks separated by blank lines."""
+def _iter_text_blocks(path: Path) -> Iterator[Union[str, Binary]]:
+    """Documents of a text file: blocks separated by blank lines; then, if some lines were
+    not text, one :class:`Binary` event counting them."""
     block: list[str] = []
+    binary = 0
     with open_binary(path) as fh:
         for raw in fh:
-            line = raw.decode("utf-8", errors="replace")
+            try:
+                line = raw.decode("utf-8")
+                binary += b"\0" in raw
+            except UnicodeDecodeError:
+                line, binary = raw.decode("utf-8", errors="replace"), binary + 1
             if line.strip():
                 block.append(line)
             elif block:
@@ -164,6 +184,8 @@ def _iter_text_blocks(path: Path) -> Iterator[str]:
                 block = []
     if block:
         yield "".join(block).rstrip("\n")
+    if binary:
+        yield Binary(str(path), binary)
 
 
 def _iter_parquet(path: Path) -> Iterator[dict]:
@@ -186,6 +208,33 @@ def _iter_saved_dataset(path: Path) -> Iterator[dict]:
             keys = list(batch)
             for i in range(len(batch[keys[0]]) if keys else 0):
                 yield {k: batch[k][i] for k in keys}
+
+
+def _unreadable(source: Source, err: Exception) -> str | None:
+    """Why ``source`` cannot be read, in words, or None when ``err`` is not about its bytes."""
+    if type(err).__module__.startswith("pyarrow"):  # ArrowInvalid, ArrowIOError...
+        first = (str(err).strip().splitlines() or [type(err).__name__])[0][:200]
+        return f"{source.path} is not a readable Parquet file (truncated or corrupted?): {first}"
+    if isinstance(err, EOFError):
+        return f"{source.path} is truncated: the compressed stream ends before its end marker (an interrupted copy?)"
+    if isinstance(err, (gzip.BadGzipFile, zlib.error)):
+        return f"{source.path} is not valid gzip data ({err}): a corrupted file, or not gzip despite its name"
+    if isinstance(err, OSError):
+        return os_error_line(err, source.path)
+    return None
+
+
+def _read(source: Source) -> Iterator:
+    """The source's items; a file whose bytes cannot be decoded is one line naming it."""
+    try:
+        yield from _iter_source(source)
+    except LyannaError:
+        raise
+    except Exception as err:  # noqa: BLE001 - gzip, zlib and pyarrow raise several types
+        why = _unreadable(source, err)
+        if why is None:
+            raise
+        raise LyannaError(why) from None
 
 
 def _iter_source(source: Source) -> Iterator:
@@ -213,9 +262,12 @@ def iter_documents(
     """
     index = 0
     for source in corpus.sources:
-        for item in _iter_source(source):
+        for item in _read(source):
             if isinstance(item, Truncated):
                 notes.truncated.append(item)
+                continue
+            if isinstance(item, Binary):
+                notes.binary.append(item)
                 continue
             i, index = index, index + 1
             if not keep(i):

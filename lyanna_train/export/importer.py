@@ -166,7 +166,7 @@ def _import_head(src: str | Path, out_dir: str | Path, target_name: str, *, targ
         raise LyannaError(f"source directory not found: {src}")
     if dtype is not None and dtype not in DTYPES:
         raise LyannaError(f"unknown dtype {dtype!r} (choose from {', '.join(DTYPES)})")
-    out_dir = check_output_dir(out_dir, overwrite)
+    out_dir = check_output_dir(out_dir, overwrite, inputs=(src, target_name))
     layout, cfg, state, embed, verifier, weights_file, notes = read_head(src, layout)
     say(f"importing {src} ({layout} layout: {cfg.draft_vocab_size}-token head over a {cfg.vocab_size}-token "
         f"vocabulary, width {cfg.hidden_size})")

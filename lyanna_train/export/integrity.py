@@ -34,11 +34,22 @@ def digests(root: Path, skip: tuple[str, ...] = ()) -> dict[str, str]:
 
 
 def check_digests(manifest: dict, root: Path, manifest_file: Path) -> None:
-    """Every file the manifest lists has the recorded sha256 (one line naming the first that does not)."""
+    """The manifest lists exactly the files the directory holds (the manifest aside), each with
+    the sha256 it has: a file left out of the map would be read unchecked, so an export that
+    ships one, or names one it lacks, is refused (one line naming the first)."""
     recorded = manifest.get("sha256")
     if not isinstance(recorded, dict) or not recorded:
         raise LyannaError(f"{manifest_file} records no sha256 of its files (an export made before checksums "
                           "existed?): export the checkpoint again")
+    for name in recorded:
+        if not isinstance(name, str) or Path(name).is_absolute() or ".." in Path(name).parts:
+            raise LyannaError(f"{manifest_file}: the sha256 entry {name!r} is not a file inside the export")
+    shipped = sorted(path.relative_to(root).as_posix() for path in root.rglob("*")
+                     if path.is_file() and path != manifest_file)
+    unrecorded = [name for name in shipped if name not in recorded]
+    if unrecorded:
+        raise LyannaError(f"{root / unrecorded[0]} has no sha256 in {manifest_file.name}: an export lists every "
+                          "file it ships; export the checkpoint again")
     for name, want in recorded.items():
         path = root / name
         if not path.is_file():

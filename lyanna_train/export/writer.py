@@ -162,8 +162,9 @@ def _export(checkpoint_dir: str | Path, out_dir: str | Path, fmt: str = F.LYANNA
         raise LyannaError(f"unknown dtype {dtype!r} (choose from {', '.join(DTYPES)})")
     if (speculators or embeddings) and fmt != F.EAGLE3:
         raise LyannaError("--speculators-config and --with-embeddings belong to the eagle3 format")
-    out_dir = check_output_dir(out_dir, overwrite)
     ckpt = resolve_checkpoint(checkpoint_dir)
+    # the run folder named, not only its checkpoint: --out RUN/features --overwrite would delete its features
+    out_dir = check_output_dir(out_dir, overwrite, inputs=(checkpoint_dir, ckpt, target_name, verifier))
     cfg, extra, state = read_checkpoint(ckpt)
     cfg, state = F.fold_aux_scale(cfg, state)
     if fmt == F.EAGLE3:

@@ -19,7 +19,7 @@ from ..target.loading import load_tokenizer, resolve_target, tokenizer_dir
 from . import artifact
 from .counting import CountResult, CountSettings, count_corpus
 from .report import plot_coverage, selection_table, write_report
-from .selection import SelectionRequest, coverage_curve, rank_tokens, select
+from .selection import SelectionRequest, check_sizes, coverage_curve, rank_tokens, select
 
 
 def end_of_turn_ids(tokenizer) -> tuple[list[int], list[str]]:
@@ -84,6 +84,9 @@ def _check_result(result: CountResult, settings: CountSettings) -> None:
 def _report_notes(result: CountResult, say) -> None:
     for t in result.notes.truncated:
         say(f"warning: {t.path} is truncated at byte {t.byte_offset}: recovered its {t.records} complete records")
+    for b in result.notes.binary:
+        say(f"warning: {b.path}: {b.lines:,} lines hold bytes that are not UTF-8 text (binary data?); they were "
+            "counted with U+FFFD in place of those bytes")
     if result.notes.skipped:
         parts = [f"{n} × {reason} (first: {result.notes.first_skip[reason]})" for reason, n in result.notes.skipped.items()]
         say(f"skipped {result.notes.n_skipped} records: " + "; ".join(parts))
@@ -106,12 +109,13 @@ def build(corpus_specs: list[str], tokenizer_spec: str, out: str | Path, request
 def _build(corpus_specs, tokenizer_spec, out, requests, settings, num_proc, overwrite, progress, say) -> dict:
     if not requests:
         raise LyannaError("no selection requested (give --ratios, --sizes or --coverage)")
-    out = check_output_dir(out, overwrite)
     corpus = Corpus.resolve(corpus_specs)
+    out = check_output_dir(out, overwrite, inputs=[*corpus_specs, *(s.path for s in corpus.sources), tokenizer_spec])
     ref = resolve_target(tokenizer_spec)
     tokenizer = load_tokenizer(ref)
     tok_dir = tokenizer_dir(ref)
     vocab = vocab_size(tokenizer)
+    check_sizes(requests, vocab)  # now, not after the whole corpus is counted
     forced, forced_strings = end_of_turn_ids(tokenizer)
     if settings.mode == "assistant" and not getattr(tokenizer, "chat_template", None):
         raise LyannaError(f"tokenizer {tokenizer_spec} has no chat template: use --count all to count raw text")
@@ -196,7 +200,7 @@ def _merge(directories, out, requests, overwrite, say) -> dict:
         raise LyannaError("no selection requested (give --ratios, --sizes or --coverage)")
     if len(directories) < 1:
         raise LyannaError("merge needs at least one count directory")
-    out = check_output_dir(out, overwrite)
+    out = check_output_dir(out, overwrite, inputs=directories)
     loaded = [artifact.load_counts(d) for d in directories]
     first = loaded[0][0]
     for d, (m, _, _) in zip(directories, loaded):

@@ -70,6 +70,8 @@ class CountResult:
         self.notes.merge(other.notes)
         if not self.notes.truncated:
             self.notes.truncated = list(other.notes.truncated)
+        if not self.notes.binary:  # (every worker reads every file)
+            self.notes.binary = list(other.notes.binary)
 
 
 def is_heldout(index: int, fraction: float, seed: int) -> bool:

@@ -72,6 +72,13 @@ class SelectionRequest:
         return f"size {self.size}"
 
 
+def check_sizes(requests: list[SelectionRequest], vocab: int) -> None:
+    """Refuse a ``--sizes`` past the vocabulary as soon as the tokenizer is known, before counting."""
+    for request in requests:
+        if request.size is not None and request.size > vocab:
+            raise LyannaError(f"--sizes: hot-vocabulary size {request.size} exceeds the vocabulary size {vocab}")
+
+
 def parse_requests(ratios: str | None, sizes: str | None, coverage: str | None) -> list[SelectionRequest]:
     """Parse the CLI's comma-separated lists; ratios and goals must lie in (0, 1]."""
     requests: list[SelectionRequest] = []

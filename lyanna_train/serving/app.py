@@ -1,8 +1,12 @@
 """The FastAPI application: OpenAI routes over one :class:`~.engine.Engine`.
 
-Every request is checked before it reaches the engine (model name, token budget, prompt
-length against the context) and refused with an OpenAI-style 400 body; the server goes on
-serving. A request whose client goes away (mid-stream or while a whole response is being
+Every request is checked before it reaches the engine, so before anything is allocated
+for it (model name, every numeric field's range, the prompt and the token budget against
+the context) and refused with an OpenAI-style 400 body; the server goes on serving. A
+``max_tokens`` past the context left after the prompt is refused as the OpenAI API refuses
+it (``context_length_exceeded``); a request that gives none gets the server's default,
+cut to the room the prompt leaves. :mod:`.limits` bounds bodies (413) and requests in
+flight or waiting for a slot (429). A request whose client goes away (mid-stream or while a whole response is being
 made) is cancelled at once, freeing its slot for the next one.
 """
 
@@ -23,6 +27,7 @@ from starlette.exceptions import HTTPException
 
 from ..runtime.settings import SamplingParams
 from .engine import Engine, Job
+from .limits import RATE_LIMITED, Limits, RequestLimits
 from .metrics import CONTENT_TYPE
 from .protocol import (FINISH_REASONS, ChatRequest, CompletionRequest, Envelope, ServingError, error_body, usage)
 from .text import StopText
@@ -39,7 +44,8 @@ class ServedModel:
     default_sampling: SamplingParams = SamplingParams()  # fields a request leaves out
 
 
-def create_app(engine: Engine, model: ServedModel, shutdown_timeout: float = 30.0) -> FastAPI:
+def create_app(engine: Engine, model: ServedModel, shutdown_timeout: float = 30.0,
+               limits: Limits = Limits()) -> FastAPI:
     """The app; its lifespan starts the engine thread and, at shutdown, stops it."""
 
     @contextlib.asynccontextmanager
@@ -50,8 +56,10 @@ def create_app(engine: Engine, model: ServedModel, shutdown_timeout: float = 30.
         await asyncio.to_thread(engine.close, shutdown_timeout)
 
     app = FastAPI(title="lyanna-serve", lifespan=lifespan)
-    app.state.engine, app.state.model, app.state.draining = engine, model, False
+    app.state.engine, app.state.model, app.state.draining, app.state.limits = engine, model, False, limits
     _add_error_handlers(app, engine)
+    app.add_middleware(RequestLimits, limits=limits, on_refused=lambda path, status: engine.metrics.requests.labels(
+        _endpoint(path), "rejected").inc())
     created = int(time.time())
 
     @app.get("/health")
@@ -121,17 +129,46 @@ def _job(model: ServedModel, body, prompt: list[int], max_tokens: int | None, en
         raise ServingError(f"the prompt has {len(prompt)} tokens; this model's context is {model.max_positions} "
                            f"tokens (at most {model.max_positions - 1} in the prompt, to leave room for one new token)",
                            param=param, code="context_length_exceeded")
+    max_tokens = _token_budget(model, len(prompt), max_tokens, "max_completion_tokens" if
+                               getattr(body, "max_completion_tokens", None) else "max_tokens")
     default = model.default_sampling
     sampling = SamplingParams(default.temperature if body.temperature is None else body.temperature,
                               default.top_k, default.top_p if body.top_p is None else body.top_p)
     seed = secrets.randbits(32) if body.seed is None else body.seed
-    return Job(prompt, max_tokens or model.default_max_tokens, sampling, seed, endpoint)
+    return Job(prompt, max_tokens, sampling, seed, endpoint)
+
+
+def _token_budget(model: ServedModel, prompt_tokens: int, asked: int | None, param: str) -> int:
+    """``asked``, unless it overruns the context after the prompt (a 400, as OpenAI words it);
+    none asked: the server's default, cut to the room left."""
+    if model.max_positions is None:
+        return asked or model.default_max_tokens
+    room = model.max_positions - prompt_tokens
+    if asked is None:
+        return min(model.default_max_tokens, room)
+    if asked > room:
+        raise ServingError(f"This model's maximum context length is {model.max_positions} tokens. However, you "
+                           f"requested {prompt_tokens + asked} tokens ({prompt_tokens} in the prompt, {asked} in the "
+                           "completion). Please reduce the length of the prompt or completion.", param=param,
+                           code="context_length_exceeded")
+    return asked
+
+
+def _check_queue(app: FastAPI) -> None:
+    """429 when this request would wait behind ``max_queue`` others for a decoding slot."""
+    engine, limits = app.state.engine, app.state.limits
+    waiting = engine.live_requests - engine.decoder.max_batch
+    if waiting >= limits.max_queue:
+        raise ServingError(f"{waiting} requests are already waiting for a decoding slot, this server's --max-queue: "
+                           "retry later", status=429, **RATE_LIMITED)
 
 
 async def _respond(app: FastAPI, request: Request, body, prompt: list[int], max_tokens: int | None, chat: bool):
     engine, model = app.state.engine, app.state.model
     endpoint = "chat" if chat else "completions"
-    job = engine.submit(_job(model, body, prompt, max_tokens, endpoint))
+    job = _job(model, body, prompt, max_tokens, endpoint)
+    _check_queue(app)  # and submit with no await in between: nothing can slip in
+    job = engine.submit(job)
     request.state.job = job
     watcher = asyncio.create_task(_cancel_on_disconnect(request, engine, job))
     text = StopText(model.tokenizer, body.stops)
@@ -219,6 +256,12 @@ async def _cancel_on_disconnect(request: Request, engine: Engine, job: Job) -> N
     _record(engine, job, "cancelled")
 
 
+def _endpoint(path: str) -> str:
+    """The metrics' endpoint label of a request path."""
+    return "chat" if path.endswith("/chat/completions") else "completions" if path.endswith("/completions") \
+        else "other"
+
+
 def _add_error_handlers(app: FastAPI, engine: Engine) -> None:
     def reject(status: int, request: Request, body: dict) -> JSONResponse:
         job = getattr(request.state, "job", None)
@@ -226,13 +269,8 @@ def _add_error_handlers(app: FastAPI, engine: Engine) -> None:
         if job is not None:
             _record(engine, job, outcome)
         else:
-            engine.metrics.requests.labels(endpoint_of(request), outcome).inc()
-        return JSONResponse(body, status_code=status)
-
-    def endpoint_of(request: Request) -> str:
-        path = request.url.path
-        return "chat" if path.endswith("/chat/completions") else "completions" if path.endswith("/completions") \
-            else "other"
+            engine.metrics.requests.labels(_endpoint(request.url.path), outcome).inc()
+        return JSONResponse(body, status_code=status, headers={"retry-after": "1"} if status == 429 else None)
 
     @app.exception_handler(ServingError)
     async def serving_error(request: Request, err: ServingError):
@@ -252,4 +290,6 @@ def _add_error_handlers(app: FastAPI, engine: Engine) -> None:
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, err: HTTPException):
-        return JSONResponse(error_body(str(err.detail), "invalid_request_error"), status_code=err.status_code)
+        code = "request_too_large" if err.status_code == 413 else None  # a chunked body past --max-body-bytes
+        return JSONResponse(error_body(str(err.detail), "invalid_request_error", code=code),
+                            status_code=err.status_code)

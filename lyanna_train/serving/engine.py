@@ -66,6 +66,7 @@ class Engine:
         self._thread = threading.Thread(target=self._run, name="lyanna-engine", daemon=True)
         self._threads = torch.get_num_threads()  # OpenMP settings are per thread: carry the caller's over
         self.failure: BaseException | None = None
+        self._live, self._live_lock = 0, threading.Lock()  # submitted, final event not yet posted
 
     @property
     def alive(self) -> bool:
@@ -73,14 +74,17 @@ class Engine:
 
     @property
     def live_requests(self) -> int:
-        """Requests submitted and not yet done (waiting or in a slot); read by tests and /health."""
-        return len(self._jobs)
+        """Requests submitted and not yet done (in the inbox, waiting or in a slot): what the
+        HTTP side's ``--max-queue`` counts, and /health reports."""
+        return self._live
 
     def start(self) -> "Engine":
         self._thread.start()
         return self
 
     def submit(self, job: Job) -> Job:
+        with self._live_lock:
+            self._live += 1
         self._inbox.put(("submit", job))
         return job
 
@@ -158,6 +162,8 @@ class Engine:
 
     def _finished(self, job: Job, event: Event) -> None:
         del self._jobs[job.request]
+        with self._live_lock:
+            self._live -= 1
         self.metrics.request_done(job.request)
         job.post(event)
 

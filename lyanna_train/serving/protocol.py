@@ -4,7 +4,9 @@ Only what the runtime can honour is accepted: ``n``, ``best_of`` other than 1, `
 ``logprobs`` are refused with a 400 naming the field rather than silently ignored. Fields
 left out take the server's defaults (``--decode`` preset's sampling, ``--max-tokens``),
 so a client that sends nothing but a prompt gets what ``lyanna-generate`` would give.
-Unknown extra fields are ignored, as OpenAI-compatible servers commonly do.
+Unknown extra fields are ignored, as OpenAI-compatible servers commonly do. Every number
+is range-checked here (integers strictly: ``true`` or ``2.5`` is no token budget), so
+nothing out of range reaches the runtime.
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ import uuid
 from typing import Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from ..runtime.scheduling.requests import SEED_RANGE
 
 
 class ServingError(Exception):
@@ -37,12 +41,12 @@ class _Sampling(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     model: str
-    max_tokens: int | None = Field(None, ge=1)
+    max_tokens: int | None = Field(None, ge=1, strict=True)  # past the context: refused by the app
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     stop: Union[str, list[str], None] = None
-    seed: int | None = None
-    n: int = 1
+    seed: int | None = Field(None, ge=SEED_RANGE[0], le=SEED_RANGE[1], strict=True)
+    n: int = Field(1, strict=True)
     stream: bool = False
     stream_options: dict | None = None
     user: str | None = None
@@ -104,7 +108,7 @@ class ChatMessage(BaseModel):
 
 class ChatRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1, strict=True)
     logprobs: bool | None = None
     tools: list | None = None
 

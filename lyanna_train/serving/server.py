@@ -9,16 +9,19 @@ app's lifespan stops the engine thread and the process exits 0.
 from __future__ import annotations
 
 import logging
-from dataclasses import replace
 import signal
+import socket
 import threading
+from dataclasses import replace
 
 import uvicorn
 
 from ..runtime.settings import DecodeSettings, TreeShape
 from ..runtime.scheduling.scheduler import BatchDecoder
+from ..errors import LyannaError
 from .app import ServedModel, create_app
 from .engine import Engine
+from .limits import Limits
 from .metrics import ServingMetrics
 
 
@@ -29,14 +32,33 @@ def target_only(settings: DecodeSettings) -> DecodeSettings:
 
 
 def build_app(target, tokenizer, draft, settings: DecodeSettings, name: str, max_batch: int = 16, cost=None,
-              default_max_tokens: int = 256, shutdown_timeout: float = 30.0):
+              default_max_tokens: int = 256, shutdown_timeout: float = 30.0, limits: Limits = Limits()):
     """The FastAPI app serving ``target`` (speculatively with ``draft``; None: as ``settings`` say
-    without one) through a continuous-batching engine of ``max_batch`` slots."""
+    without one) through a continuous-batching engine of ``max_batch`` slots, within ``limits``."""
     decoder = BatchDecoder(target, draft, settings, max_batch=max_batch, cost=cost)
     engine = Engine(decoder, ServingMetrics())
     model = ServedModel(name, tokenizer, getattr(target.config, "max_position_embeddings", None),
                         default_max_tokens, settings.sampling)
-    return create_app(engine, model, shutdown_timeout)
+    return create_app(engine, model, shutdown_timeout, limits)
+
+
+def listen(host: str, port: int) -> socket.socket:
+    """The bound socket uvicorn will serve on, or one line saying why the address is not free:
+    bound before the models load, so a port in use is refused at once (and never after
+    "serving on ..." was printed)."""
+    try:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+        sock = socket.socket(family, socket.SOCK_STREAM)
+    except OSError as err:
+        raise LyannaError(f"cannot listen on {host}:{port}: {err.strerror or err}") from None
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn: a restart reuses the port at once
+    try:
+        sock.bind((host, port))
+    except OSError as err:
+        sock.close()
+        raise LyannaError(f"cannot listen on {host}:{port}: {err.strerror or err} (is another server there? "
+                          "choose another --port)") from None
+    return sock
 
 
 class DrainingServer(uvicorn.Server):
@@ -48,8 +70,8 @@ class DrainingServer(uvicorn.Server):
 
 
 def serve(app, host: str = "127.0.0.1", port: int = 8000, shutdown_timeout: float = 30.0,
-          log_level: str = "info") -> None:
-    """Run until SIGTERM/SIGINT; returns after the drain."""
+          log_level: str = "info", sock: socket.socket | None = None) -> None:
+    """Run until SIGTERM/SIGINT; returns after the drain. ``sock``: already bound (:func:`listen`)."""
     logging.getLogger("lyanna_train.serving").setLevel(log_level.upper())
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=shutdown_timeout,
                             lifespan="on")
@@ -58,7 +80,7 @@ def serve(app, host: str = "127.0.0.1", port: int = 8000, shutdown_timeout: floa
     previous = signal.signal(signal.SIGTERM, lambda *_: None) if threading.current_thread() is threading.main_thread() \
         else None
     try:
-        DrainingServer(config).run()
+        DrainingServer(config).run(sockets=[sock] if sock is not None else None)
     finally:
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)

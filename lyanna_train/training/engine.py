@@ -9,6 +9,7 @@ process or under the launcher, on CPU (gloo, fp32) or GPU (nccl, bf16).
 from __future__ import annotations
 
 import contextlib
+import glob
 import math
 import os
 import pickle
@@ -118,6 +119,10 @@ class Engine:
         DeepSpeed's own plain records are allowed beside tensors (:func:`_deepspeed_records`).
         """
         where = os.path.join(str(root), tag)
+        if not glob.glob(os.path.join(glob.escape(where), "*model_states.pt")):  # DeepSpeed asserts, unworded
+            raise LyannaError(f"cannot resume from {where}: DeepSpeed's model states (mp_rank_00_model_states.pt) "
+                              "are missing from it (an incomplete copy?): restore that file, or move the checkpoint "
+                              "away to resume from the one before")
         if not isinstance(self.engine.checkpoint_engine, _WeightsOnlyLoads):
             self.engine.checkpoint_engine = _WeightsOnlyLoads(self.engine.checkpoint_engine)
         try:
@@ -129,7 +134,7 @@ class Engine:
             refused = f"the global {found.group(1)}" if found else "an unsafe pickle"
             raise LyannaError(f"refusing to load {where}: it holds pickled objects other than tensors and plain "
                               f"data, which could run code ({refused}); it was not loaded") from None
-        except (RuntimeError, ValueError, EOFError, OSError, KeyError) as err:
+        except (RuntimeError, ValueError, EOFError, OSError, KeyError, AssertionError) as err:
             detail = " ".join(str(err).split())[:300]
             if any(m in detail for m in ("size mismatch", "Unexpected key", "Missing key", "state_dict")):
                 raise LyannaError(f"cannot resume from {where}: its weights do not fit the configured draft "

@@ -112,6 +112,12 @@ def _check_same_target(record: dict | None, fingerprints: dict, checkpoint: Path
                               f"{saved}, this {part}'s {fingerprints[part]['fingerprint']}); use a new train.out_dir")
 
 
+def done_line(step: int, checkpoint, final: dict) -> str:
+    """The run's last line: the step, the checkpoint and the final metrics, if any were measured."""
+    metrics = ", ".join(f"{k} {v:.3f}" for k, v in final.items())
+    return f"done: step {step}, checkpoint {checkpoint}" + (f"; {metrics}" if metrics else "")
+
+
 def _train(cfg, config_dict, claimed, out_dir: Path, rank: int, world: int, say, started: float) -> dict:
     from ..target.fingerprint import tokenizer_fingerprint
     from ..target.model import target_fingerprint
@@ -257,7 +263,6 @@ def _train(cfg, config_dict, claimed, out_dir: Path, rank: int, world: int, say,
     save()
     if rank == 0:
         _plot_curves(out_dir, say)
-    say(f"done: step {state['step']}, checkpoint {ckpt.latest_checkpoint(root)}; " +
-        ", ".join(f"{k} {v:.3f}" for k, v in final.items()))
+    say(done_line(state["step"], ckpt.latest_checkpoint(root), final))
     tracker.finish()
     return {"step": state["step"], "out_dir": str(out_dir), **final}

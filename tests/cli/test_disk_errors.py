@@ -4,6 +4,7 @@ and leaves nothing half-written behind."""
 from __future__ import annotations
 
 import errno
+from pathlib import Path
 
 import pytest
 
@@ -32,6 +33,18 @@ def test_bench_checks_out_before_running_the_benchmark(read_only_dir, monkeypatc
     line = _one_error_line(capsys.readouterr().err, "lyanna-bench")
     assert code == 2 and str(out) in line
     assert any(cause in line for cause in ("Read-only file system", "Permission denied", "is not a directory")), line
+
+
+@pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs a mounted /proc")
+def test_an_output_on_a_pseudo_filesystem_names_the_right_cause(monkeypatch, capsys):
+    """Issue 24: --out /proc/bench said "/proc: No such file or directory" of a folder that exists."""
+    import lyanna_train.cli.bench as bench
+
+    monkeypatch.setattr(bench, "load_and_tune", lambda *a, **k: pytest.fail("the benchmark started"))
+    code = bench.main(["--target", "smollm2", "--methods", "target", "--num-prompts", "1", "--out", "/proc/bench"])
+    line = _one_error_line(capsys.readouterr().err, "lyanna-bench")
+    assert code == 2 and line == ("lyanna-bench: error: cannot write output /proc/bench: /proc: files cannot be "
+                                  "created there (proc filesystem)")
 
 
 def test_hotvocab_on_a_full_disk_is_one_line_and_leaves_nothing(small_disk, tmp_path, monkeypatch, capsys):

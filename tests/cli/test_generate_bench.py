@@ -343,3 +343,21 @@ def test_bench_on_smollm2_is_lossless_with_accepted_draft_tokens(tmp_path, smoll
     assert "lossless: yes (2/2 prompts identical)" in capsys.readouterr().out
     lyanna = json.loads((tmp_path / "bench" / "summary.json").read_text())["methods"]["lyanna"]
     assert lyanna["accept_rate"][0] > 0.5 and lyanna["tau"] > 2  # draft tokens verified and kept
+
+
+def test_generate_budget_must_fit_the_context_and_a_turn_stops_at_its_end(export_dir, target, tokenizer, capsys):
+    """Issue 24: --max-new-tokens 10**30 decoded for ever, and 700 decoded past the 512-position context."""
+    context = target.config.max_position_embeddings
+    base = ["--draft", str(export_dir), "--threads", "1"]
+    assert generate_main([*base, "--max-new-tokens", str(10**30), "hi"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1] == (f"lyanna-generate: error: --max-new-tokens {10**30} does not fit the target's context of "
+                       f"{context} positions (at most {context - 1}, after a one-token prompt)")
+    words = next(n for n in range(400, 0, -1)
+                 if len(render_prompt(tokenizer, [{"role": "user", "content": "tea " * n}])) <= context - 20)
+    prompt = render_prompt(tokenizer, [{"role": "user", "content": "tea " * words}])
+    room = context - len(prompt)
+    assert generate_main([*base, "--max-new-tokens", str(room + 50), "--set", "sampling.temperature=0",
+                          "tea " * words]) == 0
+    err = capsys.readouterr().err
+    assert f"leave room for {room} of the {room + 50} --max-new-tokens" in err and f"{room} new tokens" in err

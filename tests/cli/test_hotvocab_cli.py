@@ -8,7 +8,7 @@ import pytest
 
 from lyanna_train.cli.hotvocab import main
 
-from ..conftest import write_jsonl
+from ..conftest import DAMAGED, write_damaged, write_jsonl
 
 GOOD = [{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello there"}]}] * 3
 
@@ -90,3 +90,31 @@ def test_merge_cli_needs_out_and_existing_dirs(tmp_path, capsys):
     _assert_clean_failure(code, err, tmp_path, "not found")
     code, _, err = _run(capsys, ["merge", str(tmp_path)])
     assert code == 2 and "needs --out" in err
+
+
+@pytest.mark.parametrize("name", sorted(DAMAGED))
+def test_a_damaged_corpus_file_is_one_line_naming_it(tmp_path, capsys, name):
+    """Issue 24: EOFError, BadGzipFile without the path, ArrowInvalid: tracebacks or a bare word."""
+    bad = write_damaged(tmp_path, name, GOOD)
+    code, _, err = _run(capsys, ["--corpus", str(bad), "--out", str(tmp_path / "out")])
+    _assert_clean_failure(code, err, tmp_path, f"{bad} {DAMAGED[name]}")
+
+
+def test_binary_bytes_in_a_text_corpus_are_counted_and_warned_about(tmp_path, capsys):
+    (tmp_path / "mixed.txt").write_bytes(b"plain text here\n\n" + bytes(range(128, 256)) * 4 + b"\n\x00\x01\n\nmore\n")
+    code, out, err = _run(capsys, ["--corpus", str(tmp_path / "mixed.txt"), "--count", "all", "--sizes", "8",
+                                   "--out", str(tmp_path / "out")])
+    assert code == 0, err
+    assert (f"warning: {tmp_path / 'mixed.txt'}: 2 lines hold bytes that are not UTF-8 text (binary data?)"
+            in out + err)
+
+
+def test_a_size_past_the_vocabulary_is_refused_before_counting(tmp_path, capsys, monkeypatch):
+    """Issue 24: --sizes 999999999999 was refused only after the whole corpus was counted."""
+    import lyanna_train.hotvocab.build as build
+
+    monkeypatch.setattr(build, "count_corpus", lambda *a, **k: pytest.fail("the corpus was counted"))
+    good = write_jsonl(tmp_path / "good.jsonl", GOOD)
+    code, _, err = _run(capsys, ["--corpus", str(good), "--sizes", "8,999999999999", "--out", str(tmp_path / "out")])
+    _assert_clean_failure(code, err, tmp_path, "--sizes: hot-vocabulary size 999999999999 exceeds the vocabulary "
+                          "size 49152")

@@ -4,6 +4,7 @@ a draft for a target it was not trained on."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 
 import pytest
@@ -77,6 +78,35 @@ def test_an_export_without_checksums_is_refused(tmp_path, target, tok_fp):
     (out / F.MANIFEST_FILE).write_text(json.dumps(manifest))
     with pytest.raises(LyannaError, match="records no sha256"):
         load_exported(out, target)
+
+
+@pytest.mark.parametrize("case", ["entry removed", "file added", "entry for no file", "entry outside"])
+def test_the_manifest_lists_exactly_the_files_shipped(tmp_path, target, tok_fp, case):
+    """Issue 24: with model.safetensors taken out of the sha256 map, flipped bytes in it loaded
+    and decoded with exit 0."""
+    out = export(tmp_path, make_draft(target, pool=True), target, tok_fp, "lyanna")
+    manifest = json.loads((out / F.MANIFEST_FILE).read_text())
+    weights = out / F.WEIGHTS_FILE
+    if case == "entry removed":
+        del manifest["sha256"][F.WEIGHTS_FILE]
+        start, _ = _tensor_span(weights, "lm_head.weight")
+        data = bytearray(weights.read_bytes())
+        data[start] ^= 0x01
+        weights.write_bytes(bytes(data))
+    elif case == "file added":
+        (out / "extra").mkdir()
+        (out / "extra" / "notes.json").write_text("{}")
+    elif case == "entry for no file":
+        manifest["sha256"]["tokenizer.json"] = "0" * 64
+    else:
+        manifest["sha256"]["../run/secret"] = "0" * 64
+    (out / F.MANIFEST_FILE).write_text(json.dumps(manifest))
+    message = {"entry removed": f"{weights} has no sha256 in manifest.json",
+               "file added": f"{out / 'extra' / 'notes.json'} has no sha256 in manifest.json",
+               "entry for no file": "missing tokenizer.json in", "entry outside": "'../run/secret' is not a file inside"}
+    with pytest.raises(LyannaError, match=re.escape(message[case])) as err:
+        load_exported(out, target)
+    assert "\n" not in str(err.value)
 
 
 def test_export_reads_the_checkpoint_alone(tmp_path, target, tok_fp, monkeypatch):

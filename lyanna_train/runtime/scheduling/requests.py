@@ -1,8 +1,11 @@
 """A decoding request's life in the batched runtime: waiting, running, then done.
 
-A request is checked when it is submitted: an empty prompt, a token outside the target's
-vocabulary or a prompt that leaves no room in the target's context fails that request
-alone, with a one-line reason in ``error``, and the others are served.
+A request is checked when it is submitted, before anything is allocated for it: an empty
+prompt, a token outside the target's vocabulary, a prompt that leaves no room in the
+target's context, a token budget or seed that is not an integer in range fails that
+request alone, with a one-line reason in ``error``, and the others are served. A budget
+past the context is not an error here: decoding stops at the context's end (finish
+reason ``context``), and memory is sized by the context, never by the budget.
 """
 
 from __future__ import annotations
@@ -65,10 +68,20 @@ class Request:
         self.finished_at = time.perf_counter()
 
 
-def check_request(prompt, max_new_tokens: int, vocab_size: int, max_positions: int | None) -> str | None:
+SEED_RANGE = (-2**63, 2**64 - 1)  # what torch.Generator.manual_seed takes
+
+
+def _integer(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def check_request(prompt, max_new_tokens: int, vocab_size: int, max_positions: int | None,
+                  seed: int = 0) -> str | None:
     """Why this request cannot be served (one line), or None."""
-    if max_new_tokens < 1:
-        return f"max_new_tokens must be at least 1, got {max_new_tokens}"
+    if not _integer(max_new_tokens) or max_new_tokens < 1:
+        return f"max_new_tokens must be an integer of at least 1, got {max_new_tokens!r}"
+    if not _integer(seed) or not SEED_RANGE[0] <= seed <= SEED_RANGE[1]:
+        return f"seed must be an integer in {SEED_RANGE[0]}..{SEED_RANGE[1]}, got {seed!r}"
     if len(prompt) == 0:
         return "empty prompt: give at least one token to continue"
     bad = next((t for t in prompt if not 0 <= t < vocab_size), None)

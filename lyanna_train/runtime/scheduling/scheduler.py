@@ -102,12 +102,16 @@ class BatchDecoder:
     def submit(self, prompt_ids, max_new_tokens: int, sampling: SamplingParams | None = None, seed: int | None = None,
                eos_ids: int | Sequence[int] | None = None) -> Request:
         """Queue a request -> its handle (``status`` FAILED with ``error`` if it cannot be served)."""
-        prompt = torch.as_tensor(prompt_ids, dtype=torch.long).flatten().tolist()
+        try:
+            prompt, error = torch.as_tensor(prompt_ids, dtype=torch.long).flatten().tolist(), None
+        except (TypeError, ValueError, RuntimeError, OverflowError) as err:  # ids past int64, not numbers
+            prompt, error = [], f"prompt ids must be integers of the target's vocabulary: {err}"
         eos = self.eos if eos_ids is None else frozenset(stop_ids(self.batch.target, eos_ids))
         self._ids += 1
         request = Request(self._ids, prompt, max_new_tokens, sampling or self.batch.settings.sampling,
                           self.batch.settings.seed if seed is None else seed, eos)
-        error = check_request(prompt, max_new_tokens, self.batch.target.config.vocab_size, self.batch.max_positions)
+        error = error or check_request(prompt, max_new_tokens, self.batch.target.config.vocab_size,
+                                       self.batch.max_positions, request.seed)
         if error is not None:
             request.finish(Status.FAILED, "error", error)
             self._refused.append(request)
@@ -152,7 +156,10 @@ class BatchDecoder:
     def _admit(self, updates: list[Update]) -> None:
         while self.waiting and len(self.rows) < self.max_batch:
             request = self.waiting.popleft()
-            context = torch.zeros(len(request.prompt) + request.max_new_tokens + 64, dtype=torch.long)
+            room = request.max_new_tokens  # memory sized by the context, never by the request's budget
+            if self.batch.max_positions is not None:
+                room = min(room, self.batch.max_positions - len(request.prompt))
+            context = torch.zeros(len(request.prompt) + min(room, 4096) + 64, dtype=torch.long)  # Row.append grows
             context[:len(request.prompt)] = torch.tensor(request.prompt)
             row = Row(request, context, len(request.prompt), torch.Generator().manual_seed(request.seed),
                       AcceptanceEstimates(getattr(self.batch.draft, "measured_acceptance", ())))
