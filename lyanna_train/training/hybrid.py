@@ -69,7 +69,9 @@ class HybridBatches:
                 self._loaded = (ref.shard, load_checked_shard(self.root, ref.shard, entry))
             return shard_batch(self._loaded[1], ref.rows)
         features = self._shard(ref.shard)
-        features.fill(self.opened.extractor, ref.rows)
+        todo = [j for j in ref.rows if not features.filled[j]]  # rows already in (the feature-scale pass's) stay
+        if todo:
+            features.fill(self.opened.extractor, todo)
         batch = shard_batch(features.tensors, ref.rows)
         if features.complete:
             self._write(ref.shard)
