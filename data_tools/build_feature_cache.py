@@ -34,7 +34,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--batch-tokens", type=int, default=d.batch_tokens, help="padded tokens per target forward")
     ap.add_argument("--shard-tokens", type=int, default=d.shard_tokens, help="tokens per shard file")
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
-                    help="the target's compute dtype (features are stored in bfloat16 either way)")
+                    help="the target's compute dtype")
+    ap.add_argument("--feature-dtype", choices=["bfloat16", "float8_e4m3fn"], default=d.feature_dtype,
+                    help="how features are stored: bfloat16, or float8_e4m3fn with a scale per token and layer "
+                    "(half the bytes; lyanna-train reads it with data.feature_dtype=float8_e4m3fn)")
     ap.add_argument("--overwrite", action="store_true", help="delete --out first (never with concurrent --shard runs)")
     ap.add_argument("--no-progress", action="store_true", help="no progress bar")
     return ap
@@ -51,7 +54,7 @@ def main(argv: list[str]) -> int:
     if args.max_samples is not None and args.max_samples < 1:
         raise LyannaError("--max-samples must be at least 1")
     settings = CacheSettings(max_length=args.max_length, shard_tokens=args.shard_tokens,
-                             batch_tokens=args.batch_tokens)
+                             batch_tokens=args.batch_tokens, feature_dtype=args.feature_dtype)
     check_apart(args.out, [*args.corpus, *(s.path for s in Corpus.resolve(args.corpus).sources), args.target])
     # one writer per shard of --out, claimed before the target is loaded (minutes for a large one)
     with output_lock(args.out, tag=f".shard-{args.shard[0]}of{args.shard[1]}"):

@@ -53,6 +53,8 @@ def test_the_wheel_carries_every_config_and_recipe(wheel):
         assert f"lyanna_train/conf/{path.relative_to(ROOT / 'conf')}" in names
     for path in (ROOT / "recipes").glob("*.yaml"):
         assert f"lyanna_train/recipes/{path.name}" in names
+    shipped = sorted((ROOT / "lyanna_train" / "target" / "model_configs").glob("*.json"))  # what lyanna-plan reads offline
+    assert shipped and all(f"lyanna_train/target/model_configs/{path.name}" in names for path in shipped)
 
 
 def test_every_recipe_composes_from_a_plain_install_elsewhere(fresh_venv, tmp_path):
@@ -70,3 +72,8 @@ def test_every_recipe_composes_from_a_plain_install_elsewhere(fresh_venv, tmp_pa
     shown = subprocess.run([str(fresh_venv / "bin" / "lyanna-train"), "+recipe=llama3_8b", "--cfg", "job"],
                            cwd=tmp_path, env=env, check=True, capture_output=True, text=True).stdout
     assert "zero_stage: 2" in shown and "Meta-Llama-3-8B-Instruct" in shown
+    # a recipe's plan from the config the wheel ships: no model anywhere, no network
+    planned = subprocess.run([str(fresh_venv / "bin" / "lyanna-plan"), "+recipe=llama2_7b"], cwd=tmp_path,
+                             env={**env, "HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(tmp_path / "empty-hub-cache")},
+                             check=True, capture_output=True, text=True).stdout
+    assert "6.74 B parameters" in planned and "data.feature_dtype=float8_e4m3fn" in planned

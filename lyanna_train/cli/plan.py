@@ -4,9 +4,11 @@
     lyanna-train +recipe=llama3_8b target.name=/models/Meta-Llama-3-8B-Instruct --plan     # the same
 
 Composes the config exactly as ``lyanna-train`` does, builds the target and the draft on
-the meta device from the target's ``config.json`` (no weights are read), and prints the
-parameters, the memory per rank for the configured dtype and ZeRO stage, the feature
-cache's size and the hot-vocabulary size. Exit status 2, with one line, when the plan
+the meta device from the target's ``config.json`` (no weights are read; a recipe's hub id
+needs no download: its config ships with the package), and prints the parameters, the
+memory per rank for the configured dtype and ZeRO stage, the hot-vocabulary size, the
+feature cache's size in each feature dtype, and each phase's hours from a stated
+throughput per GPU (``--tflops``). Exit status 2, with one line, when the plan
 does not fit ``--gpu-memory``.
 """
 
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 
+from ..training.plan import DEFAULT_TFLOPS
 from .common import entry_point
 
 
@@ -24,8 +27,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gpus", type=int, default=1, help="ranks the run will use (default 1)")
     p.add_argument("--gpu-memory", type=float, metavar="GIB", help="memory of one GPU in GiB: refuse a plan that "
                    "does not fit (default: the local GPU's, if any)")
-    p.add_argument("--tokens", type=int, help="training tokens, for the feature cache's size (default: "
-                   "data.max_samples x data.max_length, an upper bound)")
+    p.add_argument("--tokens", type=int, help="training tokens, for the feature cache's size and the phase "
+                   "times (default: data.max_samples x data.max_length, an upper bound)")
+    p.add_argument("--tflops", type=float, default=DEFAULT_TFLOPS, help="sustained bf16 TFLOP/s per GPU the phase "
+                   f"times assume (default {DEFAULT_TFLOPS:g}: ~40 %% of an H100 SXM's dense peak)")
     return p
 
 
@@ -89,11 +94,11 @@ def main(argv: list[str]) -> int:
     # Hydra overrides may come before, between or after the flags: put them last for argparse
     overrides = [a for a in argv if not a.startswith("-") and ("=" in a or a.startswith("~"))]
     args = build_parser().parse_args([a for a in argv if a not in overrides] + overrides)
-    if args.gpus < 1 or (args.gpu_memory is not None and args.gpu_memory <= 0):
-        raise LyannaError("--gpus and --gpu-memory must be positive")
+    if args.gpus < 1 or (args.gpu_memory is not None and args.gpu_memory <= 0) or not args.tflops > 0:
+        raise LyannaError("--gpus, --gpu-memory and --tflops must be positive")
     cfg = compose(args.overrides)
     validate(cfg)
-    plan = make_plan(cfg, world=args.gpus, tokens=args.tokens)
+    plan = make_plan(cfg, world=args.gpus, tokens=args.tokens, tflops=args.tflops)
     memory = args.gpu_memory or _local_gpu_memory()
     print(describe(plan, memory))
     if memory:

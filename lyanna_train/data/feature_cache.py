@@ -3,7 +3,9 @@
 Layout of a cache directory (written by :mod:`.feature_cache_writer`)::
 
     manifest.json                      settings, fingerprints and the shard plan
-    shards/shard-00007.safetensors     bf16 aux [N, k*H] and last [N, H], input_ids [N] int32,
+    shards/shard-00007.safetensors     aux [N, k*H] and last [N, H] in the manifest's ``dtype``
+                                       (bf16, or fp8 with fp32 aux_scale [N, k] and last_scale
+                                       [N, 1]: :mod:`.feature_dtype`), input_ids [N] int32,
                                        loss_mask [N] bool, offsets [n+1], sample_index [n],
                                        teacher_top1 [N] int32 and teacher_lse [N] fp32: the
                                        full-vocabulary top-1 and logsumexp of lm_head(last)
@@ -14,7 +16,7 @@ Layout of a cache directory (written by :mod:`.feature_cache_writer`)::
 Samples are packed back to back in a shard: sample j is rows ``offsets[j]:offsets[j+1]``.
 A cache is complete when every shard the manifest plans has an index entry made from
 the same inputs; the reader refuses an incomplete cache, one made with another target,
-tokenizer or layer choice, and any shard whose bytes do not match its checksum.
+tokenizer, layer choice or feature dtype, and any shard whose bytes do not match its checksum.
 """
 
 from __future__ import annotations
@@ -27,12 +29,12 @@ from typing import Iterator, Sequence
 import torch
 
 from ..errors import LyannaError
+from .feature_dtype import DEFAULT, bytes_per_value, read_rows, scale_bytes_per_token
 
 FORMAT = "lyanna-feature-cache"
 VERSION = 1
 SHARDS = "shards"
 FEATURE_KEYS = ("aux", "last", "loss_mask", "teacher_top1", "teacher_lse")  # per-token rows besides input_ids
-DTYPE = torch.bfloat16  # features on disk: half the bytes of fp32, the precision training uses
 
 
 def shard_path(root: Path, shard: int) -> Path:
@@ -43,10 +45,11 @@ def entry_path(root: Path, shard: int) -> Path:
     return Path(root) / SHARDS / f"shard-{shard:05d}.json"
 
 
-def bytes_per_token(aux_size: int, hidden_size: int) -> int:
-    """Disk bytes per token: bf16 aux and last, int32 id, bool mask, int32 + fp32 teacher
-    summary (offsets are per sample)."""
-    return (aux_size + hidden_size) * DTYPE.itemsize + 4 + 1 + 8
+def bytes_per_token(aux_size: int, hidden_size: int, feature_dtype: str = DEFAULT) -> int:
+    """Disk bytes per token: aux and last in ``feature_dtype`` (and their fp8 scales), int32 id,
+    bool mask, int32 + fp32 teacher summary (offsets are per sample)."""
+    return ((aux_size + hidden_size) * bytes_per_value(feature_dtype)
+            + scale_bytes_per_token(feature_dtype, aux_size // hidden_size) + 4 + 1 + 8)
 
 
 def file_sha256(path: Path) -> str:
@@ -84,6 +87,17 @@ def shard_problem(root: Path, planned: dict, verify_checksum: bool = True) -> st
     return None
 
 
+def load_checked_shard(root: Path, k: int, entry: dict) -> dict[str, torch.Tensor]:
+    """The tensors of shard ``k`` as stored, after checking its bytes against its index ``entry``."""
+    from safetensors.torch import load
+
+    data = shard_path(root, k).read_bytes()
+    if len(data) != entry["bytes"] or hashlib.sha256(data).hexdigest() != entry["sha256"]:
+        raise LyannaError(f"feature cache {root}, shard {k}: checksum mismatch (corrupted); "
+                          "run the build again to redo it")
+    return load(data)
+
+
 def read_manifest(root: Path) -> dict | None:
     try:
         manifest = json.loads((Path(root) / "manifest.json").read_text())
@@ -112,7 +126,8 @@ class FeatureCache:
     """
 
     def __init__(self, root: str | Path, target_fingerprint: str | None = None,
-                 tokenizer_fingerprint: str | None = None, layer_ids: Sequence[int] | None = None):
+                 tokenizer_fingerprint: str | None = None, layer_ids: Sequence[int] | None = None,
+                 feature_dtype: str | None = None):
         self.root = Path(root)
         manifest = read_manifest(self.root)
         if manifest is None:
@@ -120,6 +135,7 @@ class FeatureCache:
         _expect(self.root, "target", manifest["target"]["fingerprint"], target_fingerprint)
         _expect(self.root, "tokenizer", manifest["tokenizer"], tokenizer_fingerprint)
         _expect(self.root, "layer ids", manifest["layers"]["ids"], None if layer_ids is None else list(layer_ids))
+        _expect(self.root, "feature dtype", manifest.get("dtype"), feature_dtype)
         self.manifest = manifest
         self.entries = [read_entry(self.root, p["shard"]) for p in manifest["shards"]]
         missing = [p["shard"] for p, e in zip(manifest["shards"], self.entries)
@@ -153,14 +169,9 @@ class FeatureCache:
                                   "run the build again to redo it")
 
     def load_shard(self, k: int) -> dict[str, torch.Tensor]:
-        """All tensors of shard ``k``, after checking its bytes against the index entry."""
-        from safetensors.torch import load
-
-        data = shard_path(self.root, k).read_bytes()
-        if len(data) != self.entries[k]["bytes"] or hashlib.sha256(data).hexdigest() != self.entries[k]["sha256"]:
-            raise LyannaError(f"feature cache {self.root}, shard {k}: checksum mismatch (corrupted); "
-                              "run the build again to redo it")
-        return load(data)
+        """All tensors of shard ``k`` as stored (features encoded: decode rows with
+        :func:`~.feature_dtype.read_rows`), after checking its bytes against the index entry."""
+        return load_checked_shard(self.root, k, self.entries[k])
 
     def iter_samples(self, shards: Sequence[int] | None = None) -> Iterator[dict]:
         """Per-sample dicts from ``shards`` (default: all), in stored order, for inspection;
@@ -171,4 +182,4 @@ class FeatureCache:
                 a, b = int(t["offsets"][j]), int(t["offsets"][j + 1])
                 # clone: a view would keep the whole shard alive
                 yield {"index": int(t["sample_index"][j]), "input_ids": t["input_ids"][a:b].long(),
-                       **{key: t[key][a:b].clone() for key in FEATURE_KEYS if key in t}}
+                       **{key: read_rows(t, key, a, b).clone() for key in FEATURE_KEYS if key in t}}

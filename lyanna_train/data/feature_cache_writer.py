@@ -35,13 +35,14 @@ from ..locks import output_lock
 from ..target.capture import LAYER_CONVENTION
 from ..target.fingerprint import tokenizer_fingerprint
 from ..target.model import target_fingerprint
-from .batching import collate, length_grouped_batches
+from .batching import length_grouped_batches
 from .feature_cache import (
-    DTYPE, FORMAT, SHARDS, VERSION, bytes_per_token, entry_path, read_manifest, shard_path, shard_problem,
+    FORMAT, SHARDS, VERSION, bytes_per_token, entry_path, read_manifest, shard_path, shard_problem,
 )
+from .feature_dtype import DEFAULT, scale_description, storage_dtype
 from .features import FeatureExtractor
-from .features import teacher_summary as summarise
 from .samples import MAX_LENGTH, Sample
+from .shard_features import ShardFeatures
 
 # What must match for a resumed build (or another --shard process) to add to a cache.
 _FIXED = ("format", "version", "target", "tokenizer", "chat_template_sha256", "layers", "max_length",
@@ -55,11 +56,13 @@ class CacheSettings:
     # also store the teacher's full-vocabulary top-1 and logsumexp per token: one more LM-head
     # pass here (~25 % of a 135M model's forward) that every training epoch then skips
     teacher_summary: bool = True
+    feature_dtype: str = DEFAULT  # how aux and last are stored: bfloat16, or float8_e4m3fn (half the bytes)
 
     def __post_init__(self):
         for name in ("max_length", "shard_tokens", "batch_tokens"):
             if getattr(self, name) < 1:
                 raise LyannaError(f"--{name.replace('_', '-')} must be at least 1, not {getattr(self, name)}")
+        storage_dtype(self.feature_dtype)
 
 @dataclass
 class ShardSamples:
@@ -181,38 +184,16 @@ class _BackgroundWriter:
             self._check()
 
 def compute_shard(extractor, group: ShardSamples, batch_tokens: int, teacher_summary: bool = True,
-                  on_tokens=None) -> dict[str, torch.Tensor]:
-    """Run the target over one shard and pack its features: aux [N, k*H], last [N, H] in bf16,
-    and (``teacher_summary``) the full-vocabulary top-1 int32 and logsumexp fp32 (see
-    :func:`~.features.teacher_summary`)."""
-    offsets = torch.tensor([0, *itertools.accumulate(len(t) for t in group.input_ids)], dtype=torch.int64)
-    aux = torch.empty(group.tokens, extractor.aux_size, dtype=DTYPE)
-    last = torch.empty(group.tokens, extractor.hidden_size, dtype=DTYPE)
-    top1 = torch.empty(group.tokens, dtype=torch.int32)
-    lse = torch.empty(group.tokens, dtype=torch.float32)
-    lm_weight = extractor.model.get_output_embeddings().weight
+                  on_tokens=None, feature_dtype: str = DEFAULT) -> dict[str, torch.Tensor]:
+    """Run the target over one shard and pack its features: aux [N, k*H], last [N, H] in
+    ``feature_dtype`` and (``teacher_summary``) the full-vocabulary top-1 int32 and logsumexp
+    fp32 (see :func:`~.features.teacher_summary`)."""
+    features = ShardFeatures(group, extractor.aux_size, extractor.hidden_size, feature_dtype, teacher_summary)
     for batch in shard_batches(group, batch_tokens):
-        # pad id 0 on the right: causal attention keeps real tokens from ever reading it
-        feats = extractor(collate(batch, pad_id=0)["input_ids"])
-        rows = []
-        for row, sample in enumerate(batch):
-            a, b = int(offsets[sample.index]), int(offsets[sample.index + 1])
-            aux[a:b] = feats.aux[row, : b - a]
-            last[a:b] = feats.last[row, : b - a]
-            rows.append((a, b, feats.last[row, : b - a]))
-        if teacher_summary:  # one LM-head pass over the batch's real tokens
-            with torch.inference_mode():
-                batch_top1, batch_lse = summarise(torch.cat([r for _, _, r in rows]), lm_weight)
-            start = 0
-            for a, b, _ in rows:
-                top1[a:b], lse[a:b] = batch_top1[start:start + b - a], batch_lse[start:start + b - a]
-                start += b - a
+        tokens = features.fill(extractor, [sample.index for sample in batch])
         if on_tokens is not None:
-            on_tokens(sum(len(sample) for sample in batch))
-    summary = {"teacher_top1": top1, "teacher_lse": lse} if teacher_summary else {}
-    return {"aux": aux, "last": last, **summary, "input_ids": torch.cat(group.input_ids),
-            "loss_mask": torch.cat(group.loss_mask), "offsets": offsets,
-            "sample_index": torch.tensor(group.index, dtype=torch.int64)}
+            on_tokens(tokens)
+    return features.tensors
 
 @dataclass
 class BuildResult:
@@ -244,9 +225,10 @@ def _manifest(model, tokenizer, extractor, settings, plan, skipped, source) -> d
         "last": "final hidden state after the final norm (HF hidden_states[-1]): lm_head(last) == logits",
         "max_length": settings.max_length,
         "shard_tokens": settings.shard_tokens,
-        "dtype": str(DTYPE).removeprefix("torch."),
+        "dtype": settings.feature_dtype,
+        **({"scale": scale_description(settings.feature_dtype)} if scale_description(settings.feature_dtype) else {}),
         "aux_size": extractor.aux_size,
-        "bytes_per_token": bytes_per_token(extractor.aux_size, extractor.hidden_size),
+        "bytes_per_token": bytes_per_token(extractor.aux_size, extractor.hidden_size, settings.feature_dtype),
         "totals": {"samples": sum(p["samples"] for p in plan), "tokens": sum(p["tokens"] for p in plan),
                    "loss_tokens": sum(p["loss_tokens"] for p in plan), "shards": len(plan),
                    "skipped_no_loss_tokens": len(skipped)},
@@ -301,7 +283,8 @@ def _compute(samples, settings: CacheSettings, max_samples, extractor, todo: dic
         if group.plan() != planned:
             raise LyannaError("the samples changed between the planning and the computing pass "
                               "(the sample stream must be deterministic)")
-        writer.submit(planned, compute_shard(extractor, group, settings.batch_tokens, settings.teacher_summary, on_tokens))
+        writer.submit(planned, compute_shard(extractor, group, settings.batch_tokens, settings.teacher_summary,
+                                             on_tokens, settings.feature_dtype))
 
 def _summary(result: BuildResult, part: int, parts: int) -> str:
     state = "complete" if result.complete else "incomplete (other --shard processes still to run)"
@@ -331,20 +314,56 @@ def build_feature_cache(samples: Iterable, model, tokenizer, out: str | Path, *,
         return _build(samples, model, tokenizer, Path(out), layer_ids, settings, shard, max_samples, source,
                       overwrite, progress, say)
 
-def _build(samples, model, tokenizer, out: Path, layer_ids, settings, shard, max_samples, source, overwrite,
-           progress, say) -> BuildResult:
+@dataclass
+class OpenedCache:
+    """A cache directory whose manifest is written (or checked): what is planned to go in it."""
+
+    out: Path
+    manifest: dict
+    extractor: FeatureExtractor
+    groups: list | None  # the planned ShardSamples (with their token ids), when asked to keep them
+
+    @property
+    def plan(self) -> list[dict]:
+        return self.manifest["shards"]
+
+    @property
+    def shard_meta(self) -> dict:
+        """What each shard file records of its cache (safetensors metadata)."""
+        return {"target": self.manifest["target"]["fingerprint"], "layers": list(self.extractor.layer_ids)}
+
+
+def open_cache(samples, model, tokenizer, out: Path, layer_ids, settings: CacheSettings, shard=(0, 1),
+               max_samples: int | None = None, source: dict | None = None, overwrite: bool = False,
+               progress: bool = False, keep_groups: bool = False) -> OpenedCache:
+    """The planning pass (token ids only), then the manifest of ``out``: written, or checked
+    against one already there (another build, or a hybrid run, adds to it only with the same
+    settings); half-written files of this ``shard`` process are removed."""
     from tqdm.auto import tqdm
 
     part, parts = shard
     extractor = FeatureExtractor(model, layer_ids)
     skipped: list[int] = []
-    groups = shard_samples(samples, settings, max_samples, skipped)
-    plan = [g.plan() for g in tqdm(groups, desc="planning", unit="shard", disable=not progress)]
+    groups = tqdm(shard_samples(samples, settings, max_samples, skipped), desc="planning", unit="shard",
+                  disable=not progress)
+    kept = list(groups) if keep_groups else None
+    plan = [g.plan() for g in (kept if keep_groups else groups)]
     if not plan:
         raise LyannaError("no sample has any loss token: nothing to cache")
     manifest = _manifest(model, tokenizer, extractor, settings, plan, skipped, source)
     _prepare(out, manifest, overwrite)
     _remove_stale_temporaries(out, part, parts)
+    return OpenedCache(out, manifest, extractor, kept)
+
+
+def _build(samples, model, tokenizer, out: Path, layer_ids, settings, shard, max_samples, source, overwrite,
+           progress, say) -> BuildResult:
+    from tqdm.auto import tqdm
+
+    part, parts = shard
+    opened = open_cache(samples, model, tokenizer, out, layer_ids, settings, shard, max_samples, source, overwrite,
+                        progress)
+    manifest, extractor, plan = opened.manifest, opened.extractor, opened.plan
     mine = [p for p in plan if p["shard"] % parts == part]
     todo = _shards_to_compute(out, mine, say)
     tokens, bpt = sum(p["tokens"] for p in todo.values()), manifest["bytes_per_token"]
@@ -354,8 +373,7 @@ def _build(samples, model, tokenizer, out: Path, layer_ids, settings, shard, max
 
     bar = tqdm(total=tokens, unit="tok", unit_scale=True, desc="features", dynamic_ncols=True, disable=not progress)
     written: list[dict] = []
-    writer = _BackgroundWriter(out, {"target": manifest["target"]["fingerprint"], "layers": list(extractor.layer_ids)},
-                               written.append)
+    writer = _BackgroundWriter(out, opened.shard_meta, written.append)
     start = time.perf_counter()
     try:
         _compute(samples, settings, max_samples, extractor, todo, writer, bar.update)

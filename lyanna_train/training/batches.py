@@ -16,6 +16,7 @@ from safetensors import safe_open
 
 from ..data.batching import collate, length_grouped_batches, pad_right
 from ..data.feature_cache import FEATURE_KEYS, FeatureCache, shard_path
+from ..data.feature_dtype import read_rows
 
 
 @dataclass(frozen=True)
@@ -89,12 +90,17 @@ class CachedBatches:
     def __call__(self, ref: BatchRef) -> dict[str, torch.Tensor]:
         if ref.shard != self._shard:
             self._shard, self._tensors = ref.shard, self.cache.load_shard(ref.shard)
-        t = self._tensors
-        spans = [(int(t["offsets"][j]), int(t["offsets"][j + 1])) for j in ref.rows]
-        batch = {key: pad_right([t[key][a:b] for a, b in spans]) for key in FEATURE_KEYS if key in t}
-        batch["input_ids"] = pad_right([t["input_ids"][a:b] for a, b in spans], dtype=torch.int64)
-        batch["valid"] = pad_right([torch.ones(b - a, dtype=torch.bool) for a, b in spans])
-        return batch
+        return shard_batch(self._tensors, ref.rows)
+
+
+def shard_batch(t: dict[str, torch.Tensor], rows) -> dict[str, torch.Tensor]:
+    """Samples ``rows`` of a shard's tensors (as stored: features decoded here) as one
+    right-padded training batch."""
+    spans = [(int(t["offsets"][j]), int(t["offsets"][j + 1])) for j in rows]
+    batch = {key: pad_right([read_rows(t, key, a, b) for a, b in spans]) for key in FEATURE_KEYS if key in t}
+    batch["input_ids"] = pad_right([t["input_ids"][a:b] for a, b in spans], dtype=torch.int64)
+    batch["valid"] = pad_right([torch.ones(b - a, dtype=torch.bool) for a, b in spans])
+    return batch
 
 
 class OnlineBatches:

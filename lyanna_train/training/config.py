@@ -59,7 +59,12 @@ class DataConf:
     corpus: list = field(default_factory=lambda: ["sharegpt"])  # training corpora (never mtbench)
     max_length: int = 2048  # tokens per sample (longer ones keep their head; data.samples.MAX_LENGTH)
     max_samples: Optional[int] = None  # use only the first N samples
-    features: str = "cached"  # cached: precompute target features once; online: inside each step
+    # cached: precompute target features once; online: inside each step; hybrid: inside the
+    # steps of the first epoch, which write them to the cache that later epochs (and a resumed run) read
+    features: str = "cached"
+    # how the cache stores the target's hidden states: bfloat16, or float8_e4m3fn with a scale per
+    # token and layer (half the disk; data/feature_dtype.py says why that scale)
+    feature_dtype: str = "bfloat16"
     cache_dir: Optional[str] = None  # feature cache; None = <train.out_dir>/features
     batch_tokens: int = 4096  # padded tokens per micro-batch
     shard_tokens: int = 32768  # tokens per cache shard

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
+from typing import Callable
 
 from ..data.feature_cache import FeatureCache
 from ..evaluation.agreement import top1_agreement
@@ -42,12 +43,13 @@ def heldout_start(cfg, samples, say=print) -> int | None:
     return start
 
 
-def first_samples(cache: FeatureCache, count: int, max_tokens: int) -> list[BatchRef]:
-    """Batches over the first ``count`` samples of ``cache`` (length-grouped, fixed order)."""
+def first_samples(shard_lengths: list[list[int]], count: int, max_tokens: int) -> list[BatchRef]:
+    """Batches over the first ``count`` samples of a cache whose shards hold samples of
+    ``shard_lengths`` tokens (length-grouped, fixed order)."""
     refs, left = [], count
-    for shard, shard_lengths in enumerate(cache_lengths(cache)):
-        rows = list(range(min(left, len(shard_lengths))))
-        for group in group_by_length([shard_lengths[r] for r in rows], max_tokens, seed=shard):
+    for shard, lengths in enumerate(shard_lengths):
+        rows = list(range(min(left, len(lengths))))
+        for group in group_by_length([lengths[r] for r in rows], max_tokens, seed=shard):
             refs.append(BatchRef(shard, tuple(rows[i] for i in group)))
         left -= len(rows)
         if left <= 0:
@@ -57,22 +59,31 @@ def first_samples(cache: FeatureCache, count: int, max_tokens: int) -> list[Batc
 
 @dataclass
 class AgreementSets:
-    """Where the agreement is measured: batches of the held-out cache and of as many training samples."""
+    """Where the agreement is measured: batches of the held-out cache and of as many training
+    samples (from the training cache, or from a callable BatchRef -> batch: the hybrid source)."""
 
     heldout: FeatureCache
-    train: FeatureCache
+    train: FeatureCache | Callable
     heldout_refs: list[BatchRef]
     train_refs: list[BatchRef]
 
     @classmethod
     def of(cls, heldout: FeatureCache, train: FeatureCache, max_tokens: int) -> "AgreementSets":
+        return cls.over(heldout, train, cache_lengths(train), max_tokens)
+
+    @classmethod
+    def over(cls, heldout: FeatureCache, train: FeatureCache | Callable, train_lengths: list[list[int]],
+             max_tokens: int) -> "AgreementSets":
         n = heldout.num_samples
-        return cls(heldout, train, first_samples(heldout, n, max_tokens), first_samples(train, n, max_tokens))
+        return cls(heldout, train, first_samples(cache_lengths(heldout), n, max_tokens),
+                   first_samples(train_lengths, n, max_tokens))
 
     def metrics(self, draft, steps: int) -> dict:
         """eval/heldout_top1_step{j}, eval/train_top1_step{j}, eval/top1_gap, eval/heldout_in_hot."""
+        # readers made per call: a shard loaded here is not kept beside the training's own
+        train = CachedBatches(self.train) if isinstance(self.train, FeatureCache) else self.train
         held = top1_agreement(draft, map(CachedBatches(self.heldout), self.heldout_refs), steps)
-        seen = top1_agreement(draft, map(CachedBatches(self.train), self.train_refs), steps)
+        seen = top1_agreement(draft, map(train, self.train_refs), steps)
         out = {f"eval/heldout_top1_step{j}": held[f"top1_step{j}"] for j in range(steps)}
         out.update({f"eval/train_top1_step{j}": seen[f"top1_step{j}"] for j in range(steps)})
         out["eval/top1_gap"] = seen["top1_step0"] - held["top1_step0"]

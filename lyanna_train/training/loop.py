@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import random
 import time
 from pathlib import Path
@@ -16,7 +17,7 @@ from .batches import CachedBatches, OnlineBatches, cache_lengths, first_tokens, 
 from .config import validate
 from .engine import Engine, init_distributed
 from .heldout import AgreementSets, heldout_start
-from .setup import build_parts, feature_cache, online_samples, training_samples
+from .setup import build_parts, cache_spec, feature_cache, online_samples, training_samples
 from .step import distill_loss, step_autocast
 from .tracking import Tracker
 
@@ -68,8 +69,8 @@ def train(cfg, config_dict: dict | None = None) -> dict:
     say = print if rank == 0 else (lambda *_: None)
     resolve_auto_precision(cfg, say)
     out_dir = Path(cfg.train.out_dir)
-    with run_folder.claim(cfg, out_dir, rank, world, say) as claimed:
-        return _train(cfg, config_dict, claimed, out_dir, rank, world, say, started)
+    with run_folder.claim(cfg, out_dir, rank, world, say) as claimed, contextlib.ExitStack() as held:
+        return _train(cfg, config_dict, claimed, out_dir, rank, world, say, started, held)
 
 
 def resolve_auto_precision(cfg, say) -> None:
@@ -118,10 +119,14 @@ def done_line(step: int, checkpoint, final: dict) -> str:
     return f"done: step {step}, checkpoint {checkpoint}" + (f"; {metrics}" if metrics else "")
 
 
-def _train(cfg, config_dict, claimed, out_dir: Path, rank: int, world: int, say, started: float) -> dict:
+def _train(cfg, config_dict, claimed, out_dir: Path, rank: int, world: int, say, started: float,
+           held: contextlib.ExitStack) -> dict:
     from ..target.fingerprint import tokenizer_fingerprint
     from ..target.model import target_fingerprint
 
+    if cfg.data.features == "hybrid" and world > 1:
+        raise LyannaError(f"data.features=hybrid runs on one rank (it assembles each shard where it is computed), "
+                          f"not {world}: on several, use data.features=cached (each rank builds its shards)")
     # ---- setup
     parts = build_parts(cfg, out_dir, rank == 0)
     agreement = None
@@ -135,15 +140,23 @@ def _train(cfg, config_dict, claimed, out_dir: Path, rank: int, world: int, say,
         with read_write(cfg):
             cfg.data.max_samples = budgeted_samples(cfg, parts, training_samples(cfg, parts.tokenizer), out_dir,
                                                     rank, say, started)
-    if cfg.data.features == "cached":
+    if cfg.data.features in ("cached", "hybrid"):
         samples = training_samples(cfg, parts.tokenizer)
-        cache = feature_cache(cfg, samples, parts.target, parts.tokenizer, parts.layer_ids, out_dir, rank, world)
-        lengths, source = first_tokens(cache_lengths(cache), cfg.data.max_tokens), CachedBatches(cache)
+        if cfg.data.features == "cached":
+            cache = feature_cache(cfg, samples, parts.target, parts.tokenizer, parts.layer_ids, out_dir, rank, world)
+            all_lengths, source = cache_lengths(cache), CachedBatches(cache)
+        else:
+            from .hybrid import hybrid_batches
+
+            source = hybrid_batches(cache_spec(cfg, samples, out_dir), parts.target, parts.tokenizer, parts.layer_ids,
+                                    held, say)
+            cache, all_lengths = source, source.lengths
+        lengths = first_tokens(all_lengths, cfg.data.max_tokens)
         start = heldout_start(cfg, samples, say)
         if start is not None:
-            held = feature_cache(cfg, samples, parts.target, parts.tokenizer, parts.layer_ids, out_dir, rank, world,
-                                 heldout_from=start)
-            agreement = AgreementSets.of(held, cache, cfg.data.batch_tokens)
+            heldout = feature_cache(cfg, samples, parts.target, parts.tokenizer, parts.layer_ids, out_dir, rank, world,
+                                    heldout_from=start)
+            agreement = AgreementSets.over(heldout, cache, all_lengths, cfg.data.batch_tokens)
     else:
         from ..data.features import FeatureExtractor
 
@@ -248,6 +261,8 @@ def _train(cfg, config_dict, claimed, out_dir: Path, rank: int, world: int, say,
             if cfg.train.save_every and state["step"] % cfg.train.save_every == 0 and state["step"] < total:
                 save()
         if state["batch"] >= len(plan):
+            if cfg.data.features == "hybrid":  # the rows no step computed: later epochs read every batch
+                source.finish([k for k, rows in enumerate(lengths) if rows])
             state["epoch"] += 1
             state["batch"] = 0
     if bar is not None:

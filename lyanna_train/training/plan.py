@@ -13,11 +13,19 @@ training step holds, in bytes:
   attention probabilities of the training-time test (rows x heads x T x T in fp32 per
   step, softmax's saved output, plus one step's scores in flight: the largest term at long
   contexts), the layer's hidden states, and the hot-vocabulary logits;
-* with ``data.features=online``, the target's own forward on the micro-batch (no grad:
-  one layer's activations at a time) and the features it hands over.
+* with ``data.features=online`` or ``hybrid``, the target's own forward on the micro-batch
+  (no grad: one layer's activations at a time) and the features it hands over.
 
 Disk: the feature cache's bytes per token (:func:`~lyanna_train.data.feature_cache.bytes_per_token`)
-times the configured tokens (``data.max_samples x data.max_length`` at most, or ``tokens``).
+in each ``data.feature_dtype``, times the configured tokens (``data.max_samples x
+data.max_length`` at most, or ``tokens``).
+
+Time: each phase's matmul FLOPs per token over a stated throughput, ``tflops`` sustained
+per GPU (printed; ``--tflops``): the features are the target's forward (2 FLOPs per weight,
+attention ``2 L T H`` over the causal half, the LM head when the teacher summary is cached),
+once with ``cached`` and ``hybrid``, every epoch with ``online``; training is the draft's
+forward and backward (6 FLOPs per trainable weight, attention ``6 T H``) for each of
+``loss.ttt_steps`` unrolled steps, every epoch. Ranks split both evenly.
 """
 
 from __future__ import annotations
@@ -29,6 +37,10 @@ import torch
 from ..errors import LyannaError
 
 GiB = 1024**3
+# The throughput assumption: ~40 % of an H100 SXM's 989 dense bf16 TFLOP/s, what large-batch
+# bf16 forward and backward passes of 7-8B models sustain; a plan prints it, --tflops changes it
+DEFAULT_TFLOPS = 400.0
+REFERENCE_TOKENS = 100_000_000  # what disk and time are given for when the run's tokens are unknown
 # "auto" is bf16 on the GPUs a plan is made for (every one a 7B run would use has it natively)
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "auto": 2}
 
@@ -43,9 +55,17 @@ class Plan:
     zero_stage: int
     precision: str
     memory: dict = field(default_factory=dict)  # component -> bytes per rank
-    bytes_per_token: int = 0  # feature cache
+    bytes_per_token: int = 0  # feature cache, in the run's data.feature_dtype
     tokens: int | None = None  # configured training tokens (upper bound), None when unknown
     features: str = "cached"
+    feature_dtype: str = "bfloat16"
+    disk_per_token: dict = field(default_factory=dict)  # feature dtype -> cache bytes per token
+    phase_flops: dict = field(default_factory=dict)  # phase -> FLOPs per training token, whole run
+    tflops: float = DEFAULT_TFLOPS  # assumed sustained throughput per GPU
+
+    def phase_hours(self, tokens: int) -> dict:
+        """Phase -> wall-clock hours on ``world`` GPUs for ``tokens`` training tokens."""
+        return {k: f * tokens / (self.world * self.tflops * 1e12) / 3600 for k, f in self.phase_flops.items()}
 
     @property
     def memory_per_rank(self) -> int:
@@ -57,14 +77,20 @@ class Plan:
 
 
 def target_config(spec: str):
-    """The target's ``transformers`` config from its ``config.json`` (no weights read)."""
+    """The target's ``transformers`` config from its ``config.json`` (no weights read): a local
+    directory, GGUF header or cached download, else the copy shipped for a recipe's hub id."""
     from transformers import AutoConfig
 
     from ..target.loading import resolve_target
     from ..target.support import check_target_config
+    from ..target.shipped_configs import shipped_config
 
     try:
         ref = resolve_target(spec)
+        if ref.gguf_file is None and ref.path == spec and not _in_hub_cache(spec):
+            shipped = shipped_config(spec)  # a hub id that is not on disk: no network is ever tried
+            if shipped is not None:
+                return shipped
         extra = {"gguf_file": ref.gguf_file} if ref.gguf_file else {}  # read from the GGUF header
         config = AutoConfig.from_pretrained(ref.path, local_files_only=True, **extra)
     except LyannaError as err:
@@ -74,6 +100,16 @@ def target_config(spec: str):
         raise LyannaError(f"cannot read the config of target {spec}: {first}") from None
     check_target_config(config)  # what the draft is built from must exist (a GPT-2 config has no intermediate_size)
     return config
+
+
+def _in_hub_cache(hub_id: str) -> bool:
+    """Whether the local Hugging Face cache holds ``hub_id``'s config.json (a file lookup only)."""
+    from huggingface_hub import try_to_load_from_cache
+
+    try:
+        return isinstance(try_to_load_from_cache(hub_id, "config.json"), str)
+    except ValueError:  # not a valid repo id
+        return False
 
 
 def _meta_params(config) -> int:
@@ -107,10 +143,26 @@ def hot_vocab_size(cfg, vocab: int) -> int:
     return int(cfg.hotvocab.size or int(cfg.hotvocab.ratio * vocab + 0.5))
 
 
-def make_plan(cfg, world: int = 1, tokens: int | None = None, config=None) -> Plan:
+def phase_flops(cfg, config, target_params: int, draft_params: int) -> dict:
+    """Phase -> FLOPs per training token over the whole run (see the module docstring)."""
+    vocab, h, t = config.vocab_size, config.hidden_size, cfg.data.max_length
+    tied = bool(getattr(config, "tie_word_embeddings", False))
+    # the input embedding is a lookup, not a matmul; the LM head runs for the teacher summary
+    matmul = target_params - vocab * h * (0 if tied else 1) - (0 if cfg.data.teacher_summary else vocab * h)
+    features = 2 * matmul + 2 * config.num_hidden_layers * t * h
+    passes = cfg.train.epochs if cfg.data.features == "online" else 1
+    steps, draft_h = cfg.loss.ttt_steps, cfg.draft.hidden_size or h
+    where = "every epoch" if passes > 1 else "once"
+    return {f"features: the target's forward, {where} (data.features={cfg.data.features})": features * passes,
+            f"training: {cfg.train.epochs} epoch(s) x {steps} unrolled step(s)":
+                cfg.train.epochs * steps * (6 * draft_params + 6 * t * draft_h)}
+
+
+def make_plan(cfg, world: int = 1, tokens: int | None = None, config=None, tflops: float = DEFAULT_TFLOPS) -> Plan:
     """The plan of the composed config ``cfg`` on ``world`` ranks (``config``: the target's,
-    read from ``target.name`` when not given)."""
+    read from ``target.name`` when not given; ``tflops``: the assumed throughput per GPU)."""
     from ..data.feature_cache import bytes_per_token
+    from ..data.feature_dtype import FEATURE_DTYPES
 
     config = config if config is not None else target_config(cfg.target.name)
     vocab, h, layers = config.vocab_size, config.hidden_size, config.num_hidden_layers
@@ -137,12 +189,14 @@ def make_plan(cfg, world: int = 1, tokens: int | None = None, config=None) -> Pl
         "draft activations": rows * t * (12 * h + 2 * hot) * act_bytes * steps,
         "batch features": rows * t * (aux + h) * 2,
     }
-    if cfg.data.features == "online":
-        memory["target forward (online)"] = rows * t * (4 * h + config.intermediate_size) * 2
+    if cfg.data.features in ("online", "hybrid"):
+        memory[f"target forward ({cfg.data.features})"] = rows * t * (4 * h + config.intermediate_size) * 2
     if tokens is None and cfg.data.max_samples:
         tokens = int(cfg.data.max_samples) * int(cfg.data.max_length)
+    disk = {dtype: bytes_per_token(aux, h, dtype) for dtype in FEATURE_DTYPES}
     return Plan(target_params, draft_params, hot, vocab, world, stage, precision,
-                {k: int(v) for k, v in memory.items()}, bytes_per_token(aux, h), tokens, cfg.data.features)
+                {k: int(v) for k, v in memory.items()}, disk[cfg.data.feature_dtype], tokens, cfg.data.features,
+                cfg.data.feature_dtype, disk, phase_flops(cfg, config, target_params, draft_params), tflops)
 
 
 def _gib(n: float) -> str:
@@ -160,13 +214,22 @@ def describe(plan: Plan, gpu_memory: float | None = None) -> str:
     lines.append(f"| **total** | **{_gib(plan.memory_per_rank)}** |")
     if gpu_memory:
         lines.append(f"| GPU memory | {gpu_memory:,.1f} GiB |")
-    lines.append("")
-    cache = f"{plan.bytes_per_token:,} bytes per token"
-    if plan.tokens is None:
-        lines.append(f"feature cache: {cache}; set data.max_samples or pass --tokens N for the total")
-    else:
-        lines.append(f"feature cache: {cache} x {plan.tokens:,} tokens (at most) = {_gib(plan.cache_bytes)} on disk "
-                     f"with data.features=cached; none with data.features=online (the target runs in every step)")
+    tokens = plan.tokens or REFERENCE_TOKENS
+    counted = (f"{tokens:,} tokens (at most)" if plan.tokens else
+               f"{tokens:,} tokens (data.max_samples is null: set it, or pass --tokens N, for the run's)")
+    lines += ["", f"for {counted}:", "",
+              "| feature cache (data.features=cached or hybrid; online keeps none) | bytes per token | on disk |",
+              "|---|---:|---:|"]
+    for dtype, size in plan.disk_per_token.items():
+        mark = " (this run)" if dtype == plan.feature_dtype else ""
+        lines.append(f"| data.feature_dtype={dtype}{mark} | {size:,} | {_gib(size * tokens)} |")
+    hours = plan.phase_hours(tokens)
+    lines += ["", f"| phase, at an assumed {plan.tflops:,.0f} TFLOP/s sustained per GPU (--tflops) | "
+              f"GFLOP per token | hours on {plan.world} GPU(s) | GPU-hours |", "|---|---:|---:|---:|"]
+    for phase, flops in plan.phase_flops.items():
+        lines.append(f"| {phase} | {flops / 1e9:,.1f} | {hours[phase]:,.2f} | {hours[phase] * plan.world:,.2f} |")
+    total = sum(hours.values())
+    lines.append(f"| **total** | | **{total:,.2f}** | **{total * plan.world:,.2f}** |")
     return "\n".join(lines)
 
 

@@ -71,12 +71,22 @@ def hot_vocabulary(cfg, tokenizer, out_dir: Path, is_main: bool) -> torch.Tensor
     return hot.hot_ids
 
 
-def feature_cache(cfg, samples: CorpusSamples, target, tokenizer, layer_ids, out_dir: Path, rank: int, world: int,
-                  heldout_from: int | None = None):
-    """The run's feature cache (or, with ``heldout_from``, the held-out one beside it):
-    each rank builds its shards, then everyone opens the whole."""
-    from ..data.feature_cache import FeatureCache
-    from ..data.feature_cache_writer import CacheSettings, build_feature_cache
+@dataclass
+class CacheSpec:
+    """Where a run's feature cache lives and what goes in it (cached and hybrid modes alike)."""
+
+    root: Path
+    settings: object  # data.feature_cache_writer.CacheSettings
+    samples: object  # re-iterable samples
+    max_samples: int | None
+    source: dict
+
+
+def cache_spec(cfg, samples: CorpusSamples, out_dir: Path, heldout_from: int | None = None) -> CacheSpec:
+    """The run's cache (or, with ``heldout_from``, the held-out one beside it); a cache already
+    there with other features than ``data.feature_dtype`` is refused in one line."""
+    from ..data.feature_cache import read_manifest
+    from ..data.feature_cache_writer import CacheSettings
     from .heldout import StreamSlice
 
     root = Path(cfg.data.cache_dir) if cfg.data.cache_dir else out_dir / "features"
@@ -85,13 +95,31 @@ def feature_cache(cfg, samples: CorpusSamples, target, tokenizer, layer_ids, out
         root = root.with_name(root.name + "-heldout")
         samples, max_samples = StreamSlice(samples, heldout_from, cfg.eval.heldout_samples), None
         source["heldout_from"] = heldout_from
+    manifest = read_manifest(root) if root.is_dir() else None
+    if manifest is not None and manifest.get("dtype") != cfg.data.feature_dtype:
+        raise LyannaError(f"config: data.feature_dtype = {cfg.data.feature_dtype}, but the feature cache {root} holds "
+                          f"{manifest.get('dtype')} features: set data.feature_dtype={manifest.get('dtype')}, "
+                          "or data.cache_dir to another directory")
     settings = CacheSettings(max_length=cfg.data.max_length, shard_tokens=cfg.data.shard_tokens,
-                             batch_tokens=cfg.data.batch_tokens, teacher_summary=cfg.data.teacher_summary)
-    build_feature_cache(samples, target, tokenizer, root, layer_ids=layer_ids, settings=settings, shard=(rank, world),
-                        max_samples=max_samples, source=source,
+                             batch_tokens=cfg.data.batch_tokens, teacher_summary=cfg.data.teacher_summary,
+                             feature_dtype=cfg.data.feature_dtype)
+    return CacheSpec(root, settings, samples, max_samples, source)
+
+
+def feature_cache(cfg, samples: CorpusSamples, target, tokenizer, layer_ids, out_dir: Path, rank: int, world: int,
+                  heldout_from: int | None = None):
+    """The run's feature cache (or, with ``heldout_from``, the held-out one beside it):
+    each rank builds its shards, then everyone opens the whole."""
+    from ..data.feature_cache import FeatureCache
+    from ..data.feature_cache_writer import build_feature_cache
+
+    spec = cache_spec(cfg, samples, out_dir, heldout_from)
+    build_feature_cache(spec.samples, target, tokenizer, spec.root, layer_ids=layer_ids, settings=spec.settings,
+                        shard=(rank, world), max_samples=spec.max_samples, source=spec.source,
                         progress=rank == 0, say=print if rank == 0 else (lambda *_: None))
     _barrier()
-    return FeatureCache(root, target_fingerprint(target), tokenizer_fingerprint(tokenizer), layer_ids)
+    return FeatureCache(spec.root, target_fingerprint(target), tokenizer_fingerprint(tokenizer), layer_ids,
+                        cfg.data.feature_dtype)
 
 
 def eval_prompts(cfg, tokenizer) -> list[list[int]]:

@@ -14,6 +14,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from ..data.feature_dtype import FEATURE_DTYPES
 from ..errors import LyannaError
 
 
@@ -126,7 +127,8 @@ RULES: dict[str, Rule] = {
     "data.corpus": corpus_list(),
     "data.max_length": integer(2),
     "data.max_samples": optional(integer(1)),
-    "data.features": one_of("cached", "online"),
+    "data.features": one_of("cached", "online", "hybrid"),
+    "data.feature_dtype": one_of(*FEATURE_DTYPES),
     "data.cache_dir": optional(text()),
     "data.batch_tokens": integer(2),
     "data.shard_tokens": integer(1),

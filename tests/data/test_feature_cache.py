@@ -252,3 +252,78 @@ def test_cli_builds_resumes_and_reports_user_errors(tmp_path, tiny_llama_smollm2
     assert cli.main(args) == 0 and "nothing to compute" in capsys.readouterr().out
     assert cli.main(args[:-7] + ["--layers", "1", "--no-progress"]) == 2
     assert "out of range" in capsys.readouterr().err
+
+
+FP8 = CacheSettings(max_length=40, shard_tokens=150, batch_tokens=96, feature_dtype="float8_e4m3fn")
+
+
+@pytest.fixture(scope="module")
+def fp8_cache(tmp_path_factory, tiny_target, smollm2_tokenizer):  # noqa: F811
+    out = tmp_path_factory.mktemp("cache") / "fp8"
+    result, _ = _build(_samples(), tiny_target, smollm2_tokenizer, out, settings=FP8)
+    return out, result
+
+
+def _shard_bytes(root) -> int:
+    return sum(p.stat().st_size for p in (root / "shards").glob("*.safetensors"))
+
+
+def test_fp8_cache_round_trip_and_half_the_bytes(reference_cache, fp8_cache, tiny_target, smollm2_tokenizer):  # noqa: F811
+    """The same samples as the bf16 cache, read back within e4m3's rounding, in about half the
+    bytes per token (measured from the files)."""
+    (ref, ref_result), (out, result) = reference_cache, fp8_cache
+    cache = FeatureCache(out, target_fingerprint(tiny_target), tokenizer_fingerprint(smollm2_tokenizer), LAYERS,
+                         feature_dtype="float8_e4m3fn")
+    assert cache.manifest["dtype"] == "float8_e4m3fn" and "per token" in cache.manifest["scale"]
+    fx = FeatureExtractor(tiny_target, LAYERS)
+    bf16 = list(FeatureCache(ref).iter_samples())
+    for r, b in zip(cache.iter_samples(), bf16):
+        assert r["index"] == b["index"] and torch.equal(r["input_ids"], b["input_ids"])
+        assert torch.equal(r["teacher_top1"], b["teacher_top1"]) and torch.equal(r["loss_mask"], b["loss_mask"])
+        direct = fx(r["input_ids"][None])
+        for key in ("aux", "last"):
+            assert r[key].dtype == torch.bfloat16  # decoded: training reads what it always read
+            exact = getattr(direct, key)[0]
+            # every value within e4m3's half-spacing (2^-4 relative) plus the bf16 read-back
+            torch.testing.assert_close(r[key].float(), exact, rtol=2 ** -4 + 2 ** -8, atol=1e-4)
+            rel = (r[key].float() - exact).norm(dim=-1) / exact.norm(dim=-1)
+            assert float(rel.mean()) < 0.03  # against bf16's ~0.002: e4m3's 3 mantissa bits
+    measured, measured_bf16 = _shard_bytes(out) / result.tokens_computed, _shard_bytes(ref) / ref_result.tokens_computed
+    assert result.bytes_written == _shard_bytes(out)
+    # aux + last: 256 values of 2 bytes -> 1 byte, plus 4 fp32 scales and the 13 bytes of ids,
+    # mask and teacher summary per token (a 576-wide target: 2,333 against 4,621 bytes)
+    assert cache.manifest["bytes_per_token"] == 256 + 16 + 13 and FeatureCache(ref).manifest["bytes_per_token"] == 525
+    assert measured == pytest.approx(285, rel=0.1) and measured / measured_bf16 < 0.56
+    from lyanna_train.data.feature_cache import bytes_per_token
+
+    assert bytes_per_token(3 * 576, 576, "float8_e4m3fn") / bytes_per_token(3 * 576, 576) == pytest.approx(0.505, abs=1e-3)
+
+
+def test_fp8_shards_are_checksummed(fp8_cache, tmp_path, tiny_target, smollm2_tokenizer):  # noqa: F811
+    ref, _ = fp8_cache
+    out = tmp_path / "fp8"
+    _build(_samples(), tiny_target, smollm2_tokenizer, out, settings=FP8)
+    assert _files(out) == _files(ref)  # deterministic, as bf16 is
+    victim = shard_path(out, 1)
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2] ^= 0x01  # one bit of one fp8 value
+    victim.write_bytes(bytes(data))
+    with pytest.raises(LyannaError, match="shard 1: checksum mismatch"):
+        list(FeatureCache(out).iter_samples())
+    result, said = _build(_samples(), tiny_target, smollm2_tokenizer, out, settings=FP8)
+    assert "shard 1: checksum mismatch" in said and result.shards_written == 1
+    assert _files(out) == _files(ref)
+
+
+def test_a_cache_of_one_feature_dtype_is_refused_for_another(reference_cache, fp8_cache, tiny_target,  # noqa: F811
+                                                             smollm2_tokenizer):
+    (bf16, _), (fp8, _) = reference_cache, fp8_cache
+    with pytest.raises(LyannaError, match="made with feature dtype float8_e4m3fn, not bfloat16") as err:
+        FeatureCache(fp8, feature_dtype="bfloat16")
+    assert "\n" not in str(err.value)
+    with pytest.raises(LyannaError, match="made with feature dtype bfloat16, not float8_e4m3fn"):
+        FeatureCache(bf16, feature_dtype="float8_e4m3fn")
+    with pytest.raises(LyannaError, match="made with other dtype"):  # nor may a build add to it in the other dtype
+        _build(_samples(), tiny_target, smollm2_tokenizer, fp8, settings=SETTINGS)
+    with pytest.raises(LyannaError, match="unknown feature dtype 'fp4'"):
+        CacheSettings(feature_dtype="fp4")

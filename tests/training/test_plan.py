@@ -1,8 +1,11 @@
-"""lyanna-plan on the Llama-2-7B and Llama-3-8B configs (written here: config.json only, no weights)."""
+"""lyanna-plan on the Llama-2-7B and Llama-3-8B configs (written here: config.json only, no weights),
+and offline on every recipe from the configs the package ships."""
 
 from __future__ import annotations
 
 import json
+import socket
+import time
 
 import pytest
 
@@ -53,7 +56,9 @@ def test_cli_prints_the_plan_and_refuses_what_does_not_fit(config_dir, capsys):
                       "--tokens", "100000000"]) == 0
     out = capsys.readouterr().out
     assert "8.03 B parameters" in out and "hot vocabulary 6,413" in out and "fits:" in out
-    assert "32,781 bytes per token x 100,000,000 tokens" in out
+    assert "for 100,000,000 tokens (at most)" in out
+    assert "| data.feature_dtype=bfloat16 (this run) | 32,781 | 3,053.0 GiB |" in out
+    assert "| data.feature_dtype=float8_e4m3fn | 16,413 | 1,528.6 GiB |" in out  # 4 fp32 scales per token
     # ZeRO-0 on one 16 GiB GPU: the bf16 target alone is 15 GiB
     assert plan_main(["+recipe=llama3_8b", f"target.name={target}", "deepspeed.zero_stage=0", "--gpu-memory", "16"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
@@ -75,3 +80,72 @@ def test_plan_follows_the_config(config_dir):
     with pytest.raises(LyannaError, match="largest: "):
         check_fits(base, gpu_memory=1.0)
     assert base.memory_per_rank < 80 * GiB  # the recipe fits an 80 GB GPU on 8 ranks
+
+
+def test_phase_times_follow_the_stated_throughput(config_dir):
+    target = config_dir("llama3", LLAMA3_8B)
+    cfg = compose(["+recipe=llama3_8b", f"target.name={target}"])
+    plan = make_plan(cfg, world=8, tokens=10**9)
+    features, training = plan.phase_flops.values()
+    # the target's forward: 2 FLOPs per weight but the input embedding's, plus causal attention
+    assert features == 2 * (plan.target_params - 128256 * 4096) + 2 * 32 * 2048 * 4096
+    assert training == 10 * 7 * (6 * plan.draft_params + 6 * 2048 * 4096)  # train=gpu: 10 epochs, 7 steps
+    hours = plan.phase_hours(10**9)
+    assert sum(hours.values()) == pytest.approx((features + training) * 1e9 / (8 * 400e12) / 3600)
+    slower = make_plan(cfg, world=8, tokens=10**9, tflops=200)
+    assert sum(slower.phase_hours(10**9).values()) == pytest.approx(2 * sum(hours.values()))
+    online = make_plan(compose(["+recipe=llama3_8b", f"target.name={target}", "data.features=online"]), world=8)
+    assert list(online.phase_flops.values())[0] == 10 * features  # the target runs again every epoch
+    assert "target forward (online)" in online.memory
+    hybrid = make_plan(compose(["+recipe=llama3_8b", f"target.name={target}", "data.features=hybrid"]), world=8)
+    assert list(hybrid.phase_flops.values())[0] == features and "target forward (hybrid)" in hybrid.memory
+
+
+def _recipes() -> list[str]:
+    from lyanna_train.configs import recipes_dir
+
+    return sorted(p.stem for p in recipes_dir().glob("*.yaml"))
+
+
+@pytest.mark.parametrize("recipe", _recipes())
+def test_every_recipe_plans_offline_at_once(recipe, tmp_path, monkeypatch, capsys):
+    """No model on disk (an empty Hugging Face cache) and no network (a connection raises):
+    the recipe's target config ships with the package, and the plan answers in seconds."""
+    import huggingface_hub.constants
+
+    def no_network(*args, **kwargs):
+        raise AssertionError("lyanna-plan tried the network")
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "empty-hub-cache"))
+    monkeypatch.setattr(socket.socket, "connect", no_network)
+    start = time.perf_counter()
+    assert plan_main([f"+recipe={recipe}", "--gpus", "8"]) == 0
+    assert time.perf_counter() - start < 10
+    out = capsys.readouterr().out
+    assert "data.feature_dtype=bfloat16 (this run)" in out and "data.feature_dtype=float8_e4m3fn" in out
+    assert "TFLOP/s sustained per GPU" in out and "**total**" in out
+
+
+@pytest.mark.parametrize("hub_id,config", [("meta-llama/Llama-2-7b-chat-hf", LLAMA2_7B),
+                                           ("lmsys/vicuna-7b-v1.5", LLAMA2_7B),
+                                           ("meta-llama/Meta-Llama-3-8B-Instruct", LLAMA3_8B)])
+def test_shipped_configs_plan_as_the_published_ones(hub_id, config, config_dir, tmp_path, monkeypatch):
+    import huggingface_hub.constants
+
+    from lyanna_train.target.shipped_configs import shipped_hub_ids
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "empty-hub-cache"))
+    assert hub_id in shipped_hub_ids()
+    shipped = make_plan(compose([f"target.name={hub_id}"]), world=8)
+    published = make_plan(compose([f"target.name={config_dir('published', config)}"]), world=8)
+    assert shipped == published
+
+
+def test_every_recipe_target_is_embedded_or_shipped():
+    from lyanna_train.embedded import EMBEDDED_TARGETS
+    from lyanna_train.target.shipped_configs import shipped_hub_ids
+
+    for recipe in _recipes():
+        name = compose([f"+recipe={recipe}"]).target.name
+        assert name in EMBEDDED_TARGETS or name in shipped_hub_ids(), recipe

@@ -139,6 +139,23 @@ def test_online_features_train_like_cached(tmp_path, tiny_target_dir, tiny_corpu
     assert losses["online"][1] == pytest.approx(losses["cached"][1], rel=0.05)
 
 
+@pytest.mark.slow  # full train() runs
+def test_fp8_features_train_close_to_bf16(tmp_path, tiny_target_dir, tiny_corpus):
+    """data.feature_dtype=float8_e4m3fn: the cache holds fp8 (half the bytes), training reads it
+    decoded, and the first losses stay within fp8's rounding of bf16's."""
+    losses, sizes = {}, {}
+    for dtype in ("bfloat16", "float8_e4m3fn"):
+        out = tmp_path / dtype
+        train(compose(tiny_overrides(tiny_target_dir, tiny_corpus, out, *TINY, "train.max_steps=2", "eval.num_prompts=0",
+                                     f"data.feature_dtype={dtype}")))
+        losses[dtype] = _losses(out)
+        assert json.loads((out / "features" / "manifest.json").read_text())["dtype"] == dtype
+        sizes[dtype] = sum(p.stat().st_size for p in (out / "features" / "shards").glob("*.safetensors"))
+    assert sizes["float8_e4m3fn"] < 0.56 * sizes["bfloat16"]  # a 64-wide target: 285 against 525 bytes per token
+    assert losses["float8_e4m3fn"][1] == pytest.approx(losses["bfloat16"][1], rel=0.02)
+    assert losses["float8_e4m3fn"][1] != losses["bfloat16"][1]  # it did read fp8
+
+
 @pytest.mark.slow  # a full train() run
 def test_bf16_target_and_autocast_train_close_to_fp32(tmp_path, tiny_target_dir, tiny_corpus):
     """The CPU recipe's fast path: features from a bf16 target, the draft under bf16 autocast
