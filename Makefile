@@ -36,8 +36,8 @@ install: $(STAMP)
 RUN := checkpoints/smollm2_135m
 demo: install
 	WANDB_MODE=offline $(BIN)/lyanna-train +recipe=smollm2_135m
-	$(BIN)/lyanna-export $(RUN) --out $(RUN)/export --overwrite
-	$(BIN)/lyanna-bench --draft $(RUN)/export --prompts mtbench --num-prompts 8 --max-new-tokens 128 --out $(RUN)/bench
+	$(BIN)/lyanna-export $(RUN) --out $(RUN)-export --overwrite
+	$(BIN)/lyanna-bench --draft $(RUN)-export --prompts mtbench --num-prompts 8 --max-new-tokens 128 --out $(RUN)/bench
 
 test: install
 	$(BIN)/python -m pytest -q tests

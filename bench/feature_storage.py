@@ -75,7 +75,7 @@ def heldout_on(run_dir: Path, heldout_root: Path, parts: dict) -> dict:
     from lyanna_train.export.writer import export_checkpoint
     from lyanna_train.training.heldout import AgreementSets
 
-    export = run_dir / "export"
+    export = run_dir.with_name(run_dir.name + "-export")  # never inside the run it reads
     export_checkpoint(run_dir, export, target=parts["target"], tokenizer=parts["tokenizer"],
                       target_name=parts["name"], overwrite=True, say=lambda *_: None)
     draft, _ = load_exported(export, parts["target"], parts["tokenizer"])

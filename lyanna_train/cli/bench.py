@@ -73,7 +73,8 @@ def markdown_table(summary: dict, lossless: dict, depths: int = 3) -> str:
         identical = "reference" if lossless.get("checked") and method == "target" else \
             f"{n - check['mismatches']}/{n}" if check else "–"
         speedup = f"{s['speedup']:.2f}×" if s["speedup"] is not None else "–"
-        rates = [f"{r:.3f}" for r in s["accept_rate"][:depths]] if method not in ("target", "stock") else ["–"] * depths
+        rates = [f"{r:.3f}" for r in s["accept_rate"][:depths]] if method not in ("target", "stock") else []
+        rates += ["–"] * (depths - len(rates))  # a shallower decoding measured fewer depths: the columns stay aligned
         rows.append("| " + " | ".join([method, str(s["new_tokens"]), f"{s['tokens_per_s']:.1f}", speedup,
                                        f"{s['tau']:.2f}", f"{s['mean_tree_size']:.1f}", *rates, identical]) + " |")
     return "\n".join(rows)
@@ -178,7 +179,7 @@ def _run(args, names: list[str], settings, questions: list, out: Path) -> int:
     summary = B.summarize(records, depth=max(settings.tree.depth, 1))
     lossless = B.lossless_report(records) if settings.sampling.greedy else \
         {"checked": False, "reason": "sampling: outputs differ by design", "methods": {}}
-    table = markdown_table(summary, lossless)
+    table = markdown_table(summary, lossless, max(3, max(len(s["accept_rate"]) for s in summary.values())))
     verdict = B.lossless_lines(lossless)
     meta = {"draft": args.draft, "target": args.target, "prompts": args.prompts, "questions": len(questions),
             "turns": args.turns, "max_new_tokens": args.max_new_tokens, "methods": names,

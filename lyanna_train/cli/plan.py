@@ -16,11 +16,12 @@ from __future__ import annotations
 
 import argparse
 
-from ..training.plan import DEFAULT_TFLOPS
 from .common import entry_point
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from ..training.plan import DEFAULT_TFLOPS  # lazily: lyanna-train imports this module before torch
+
     p = argparse.ArgumentParser(prog="lyanna-plan", description="Plan a training run from the target's config.json "
                                 "(meta device, no weights): parameters, memory per rank, feature-cache disk.")
     p.add_argument("overrides", nargs="*", metavar="OVERRIDE", help="as for lyanna-train: +recipe=NAME, key=value")

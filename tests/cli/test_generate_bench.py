@@ -361,3 +361,29 @@ def test_generate_budget_must_fit_the_context_and_a_turn_stops_at_its_end(export
                           "tea " * words]) == 0
     err = capsys.readouterr().err
     assert f"leave room for {room} of the {room + 50} --max-new-tokens" in err and f"{room} new tokens" in err
+
+
+@pytest.mark.parametrize("depths", [1, 3, 5])
+def test_every_bench_table_row_has_a_cell_under_every_heading(depths):
+    """Each method and decoding renders as many cells as the header names, whatever depth
+    each method measured (a depth-1 decoding once left the lyanna row short)."""
+    from lyanna_train.cli.bench import markdown_table
+    from lyanna_train.evaluation.batched import markdown_table as batched_table
+
+    def cells(line: str) -> int:
+        return len(line.strip().strip("|").split("|"))
+
+    figures = dict(new_tokens=10, tokens_per_s=5.0, tau=1.5, mean_tree_size=2.0)
+    summary = {"target": {**figures, "speedup": 1.0, "accept_rate": []},
+               "stock": {**figures, "speedup": 0.5, "accept_rate": []},
+               "lyanna": {**figures, "speedup": 1.6, "accept_rate": [0.4]},  # a depth-1 decoding
+               "head": {**figures, "speedup": 1.2, "accept_rate": [0.3, 0.1, 0.05, 0.01, 0.0, 0.0]},
+               "lookup": {**figures, "speedup": None, "accept_rate": [0.2, 0.1]}}
+    lossless = {"checked": True, "prompts": 2, "methods": {"lyanna": {"mismatches": 0}, "head": {"mismatches": 1}}}
+    lines = markdown_table(summary, lossless, depths).splitlines()
+    assert len(lines) == 2 + len(summary) and {cells(line) for line in lines} == {6 + depths + 1}
+    row = dict(requests=2, new_tokens=10, tokens_per_s=5.0, vs_target=1.0, tokens_per_cpu_s=2.0, vs_target_cpu=None,
+               latency_mean=1.0, latency_p50=1.0, latency_p95=2.0, tau=1.2, mean_tree_size=1.5)
+    results = {1: {"target": row, "lyanna": {**row, "identical": 2}}, 4: {"plain": {**row, "vs_target": None}}}
+    lines = batched_table(results).splitlines()
+    assert {cells(line) for line in lines} == {cells(lines[0])} and len(lines) == 5
