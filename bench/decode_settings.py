@@ -22,7 +22,7 @@ from lyanna_train.runtime.settings import load_decode_settings
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("variants", nargs="*", help="overrides of the default preset, e.g. tree.depth=2,tree.branch=2")
-    p.add_argument("--draft", default="checkpoints/smollm2_135m/export")
+    p.add_argument("--draft", default="checkpoints/smollm2_135m-export")
     p.add_argument("--prompts", default="mtbench")
     p.add_argument("--num-prompts", type=int, default=8)
     p.add_argument("--max-new-tokens", type=int, default=256)

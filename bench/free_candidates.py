@@ -7,7 +7,7 @@ something, and how many of its tokens the target confirmed; then the same mixes 
 ``verify: auto`` for tokens/s (interleaved per prompt, ratios against plain decoding in
 the same run).
 
-    python bench/free_candidates.py --draft checkpoints/smollm2_135m/export [--num-prompts 8]
+    python bench/free_candidates.py --draft checkpoints/smollm2_135m-export [--num-prompts 8]
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ def _counting(proposed: dict):
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--draft", default="checkpoints/smollm2_135m/export")
+    p.add_argument("--draft", default="checkpoints/smollm2_135m-export")
     p.add_argument("--prompts", default="mtbench")
     p.add_argument("--num-prompts", type=int, default=8)
     p.add_argument("--max-new-tokens", type=int, default=128)

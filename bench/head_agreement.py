@@ -8,7 +8,7 @@ run's ``target.jsonl``). For each unroll step j it reports the share of answer p
 where the draft's hot-vocabulary argmax equals the target's full-vocabulary argmax, and
 the share of positions whose target top-1 lies in the hot vocabulary at all (a ceiling).
 
-    python bench/head_agreement.py --draft checkpoints/smollm2_135m/export \\
+    python bench/head_agreement.py --draft checkpoints/smollm2_135m-export \\
         --answers checkpoints/smollm2_135m/bench/target.jsonl
 """
 
@@ -76,7 +76,7 @@ def own_answers(tokenizer, path: str) -> list[tuple[list[int], int]]:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--draft", default="checkpoints/smollm2_135m/export")
+    p.add_argument("--draft", default="checkpoints/smollm2_135m-export")
     p.add_argument("--answers", default="checkpoints/smollm2_135m/bench/target.jsonl",
                    help="a lyanna-bench target.jsonl (MT-Bench): the target's own answers")
     p.add_argument("--sharegpt", type=int, default=32, help="held-out ShareGPT replies")

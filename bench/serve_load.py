@@ -10,7 +10,7 @@ first turns (chat, greedy, streamed so the first token is timed), side by side i
   alternating per level; total tokens/s, latency p50/p95, time to first token, τ (from
   each server's /metrics), and whether Lyanna's greedy texts equal --no-draft's.
 
-    python bench/serve_load.py --draft /work/runs/smollm2_135m/export --out checkpoints/serve-load \\
+    python bench/serve_load.py --draft /work/runs/smollm2_135m-export --out checkpoints/serve-load \\
         --load-requests 200 --load-concurrency 32 --levels 1,4,16 --max-tokens 64
 
 Prints a markdown table and writes OUT/serve_load.json.

@@ -117,6 +117,9 @@ class Costs:
         return cls(VerifyCost.flat(), DraftCost.free())
 
 
+CLIP = 3.0  # the most one iteration's measurement moves a cost's scale towards, either way
+
+
 class MeasuredCosts:
     """The tuned costs rescaled by what this decoder's own iterations take.
 
@@ -150,8 +153,14 @@ class MeasuredCosts:
             self.draft_scale = self._blend(self.draft_scale, seconds, self.tuned.draft(rows))
 
     def observe_catch_up(self, anchors: int, seconds: float) -> None:
-        if anchors:
-            self.anchor += self.memory * (seconds / anchors - self.anchor)
+        if anchors and self.tuned.anchor > 0:
+            self.anchor = self.tuned.anchor * self._blend(self.anchor / self.tuned.anchor, seconds / anchors,
+                                                          self.tuned.anchor)
 
     def _blend(self, scale: float, seconds: float, tuned: float) -> float:
-        return scale if tuned <= 0 else scale + self.memory * (seconds / tuned - scale)
+        """One observation's ratio to the tuned figure, clipped to [1/CLIP, CLIP]: a first call
+        (kernels not warm, buffers allocated) or a pause of the machine moves the average, it
+        does not take it over (one such catch-up once read 11x its steady cost)."""
+        if tuned <= 0:
+            return scale
+        return scale + self.memory * (min(max(seconds / tuned, 1 / CLIP), CLIP) - scale)
