@@ -1,4 +1,4 @@
-"""The README's layout paragraph names every package, top-level module and benchmark script
+"""CONTRIBUTING.md's layout paragraph names every package, top-level module and benchmark script
 of the tree, so a newcomer's map cannot silently fall behind the code."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _layout() -> str:
-    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    text = (ROOT / "CONTRIBUTING.md").read_text(encoding="utf-8")
     start = text.index("Layout: `lyanna_train/`")
     end = text.find("\n\n", start)
     return text[start:end if end > 0 else len(text)]

@@ -1,0 +1,34 @@
+"""bench/results/README.md is generated from the result files beside it: a stale page fails."""
+
+from __future__ import annotations
+
+import json
+import runpy
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _page():
+    return runpy.run_path(str(ROOT / "bench" / "results_page.py"), run_name="results_page")
+
+
+def test_results_page_matches_its_sources():
+    page = _page()
+    assert page["main"](["--check"]) == 0, "bench/results/README.md is stale: run python bench/results_page.py"
+
+
+def test_every_figure_comes_from_a_result_file(tmp_path, monkeypatch):
+    page = _page()
+    folder = tmp_path / "results" / "serve-x"
+    folder.mkdir(parents=True)
+    level = {"server": "lyanna", "concurrency": 4, "requests": 8, "answered": 8, "tokens_per_s": 12.345,
+             "tau": 1.5, "latency_p50": 0.5, "identical_to_no_draft": "8/8"}
+    (folder / "serve_load.json").write_text(json.dumps({"command": "bench/serve_load.py --levels 4", "levels": [level]}))
+    render = page["render"]
+    render.__globals__["RESULTS"] = tmp_path / "results"
+    text = render()
+    assert "## `serve-x`" in text and "| lyanna | 4 | 8 | 8 | 12.3 | 1.500 | 0.500 | 8/8 |" in text
+    level["tokens_per_s"] = 99.0  # a changed source changes the page
+    (folder / "serve_load.json").write_text(json.dumps({"command": "x", "levels": [level]}))
+    assert "| 99.0 |" in render()
