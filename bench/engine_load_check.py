@@ -21,7 +21,7 @@ Usage (GPU):
 
 Engines not installed, or no CUDA device, are reported as skipped (exit 0), never as passed.
 ``--out FILE`` writes the report as JSON. Not run in this repository's CI or on its CPU
-machines (no vLLM/SGLang there); see README "Serving with SGLang / vLLM".
+machines (no vLLM/SGLang there); see docs/export.md "Serving with SGLang / vLLM".
 """
 
 from __future__ import annotations

@@ -26,7 +26,7 @@ The forms are set on a model in place: each ``nn.Linear``'s class becomes
 tied), which ``use_small_batch_linears(model, False)`` undoes. ``torch.compile`` with
 inductor's CPU freezing (weights prepacked for oneDNN/MKL) is the library route to the
 same end; ``bench/compiled_linears.py`` measures both on the target's verify forward (see
-the README for the figures and why these forms are kept).
+``bench/results/compiled-zen1/`` for the figures and why these forms are kept).
 
 Applied to the target by the CLIs and the benchmark *for every method*, the plain
 ``target.generate`` baseline included, so speedups compare like with like. CUDA models are
