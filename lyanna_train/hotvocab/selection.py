@@ -40,6 +40,12 @@ def coverage_curve(ranking: np.ndarray, counts: np.ndarray) -> np.ndarray:
     return np.cumsum(counts[ranking]) / total
 
 
+def size_for_ratio(ratio: float, vocab: int) -> int:
+    """The hot-vocabulary size a ratio asks for: the nearest whole token count, at least one.
+    The one rule the CLI, the trainer and the plan share, so they never build different sizes."""
+    return max(1, int(math.floor(ratio * vocab + 0.5)))
+
+
 @dataclass(frozen=True)
 class SelectionRequest:
     """One requested selection: exactly one of ratio, size or coverage goal."""
@@ -52,7 +58,7 @@ class SelectionRequest:
         if self.size is not None:
             size = self.size
         elif self.ratio is not None:
-            size = int(math.floor(self.ratio * vocab + 0.5))
+            size = size_for_ratio(self.ratio, vocab)
         else:  # smallest size whose held-out coverage reaches the goal
             if np.isnan(heldout_curve).all():
                 raise LyannaError("--coverage needs held-out text, but the held-out split is empty")

@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..errors import LyannaError
+from ..hotvocab.selection import size_for_ratio
 
 GiB = 1024**3
 # The throughput assumption: ~40 % of an H100 SXM's 989 dense bf16 TFLOP/s, what large-batch
@@ -140,7 +141,7 @@ def hot_vocab_size(cfg, vocab: int) -> int:
     """The hot vocabulary the run will build or load (``hotvocab.size``, else the ratio)."""
     if cfg.hotvocab.full_vocab:
         return vocab
-    return int(cfg.hotvocab.size or int(cfg.hotvocab.ratio * vocab + 0.5))
+    return int(cfg.hotvocab.size or size_for_ratio(cfg.hotvocab.ratio, vocab))
 
 
 def phase_flops(cfg, config, target_params: int, draft_params: int) -> dict:

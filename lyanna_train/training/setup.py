@@ -17,6 +17,7 @@ from ..data.corpus import Corpus
 from ..data.samples import CorpusSamples, SampleSettings, iter_samples
 from ..errors import LyannaError
 from ..hotvocab.artifact import load_hot_vocab, read_manifest
+from ..hotvocab.selection import size_for_ratio
 from ..models.config import DraftConfig
 from ..models.draft_head import DraftHead
 from ..models.init import init_from_target
@@ -46,7 +47,7 @@ def hot_vocabulary(cfg, tokenizer, out_dir: Path, is_main: bool) -> torch.Tensor
     vocab = vocab_size(tokenizer)
     if cfg.hotvocab.full_vocab:
         return torch.arange(vocab)
-    size = cfg.hotvocab.size or max(1, int(cfg.hotvocab.ratio * vocab + 0.5))
+    size = cfg.hotvocab.size or size_for_ratio(cfg.hotvocab.ratio, vocab)
     if size > vocab:  # checked before anything is built: a bad size must not leave a hot vocabulary behind
         raise LyannaError(f"config: hotvocab.size = {size} is not allowed (allowed: 1 to the vocabulary size, {vocab})")
     fingerprint = tokenizer_fingerprint(tokenizer)

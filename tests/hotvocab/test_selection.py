@@ -77,3 +77,19 @@ def test_hot_file_round_trip_and_fingerprint_check(tmp_path):
         assert torch.equal(a, b) and a.dtype == b.dtype
     with pytest.raises(LyannaError, match="another tokenizer"):
         load_hot_vocab(tmp_path / name, expect_fingerprint="sha256:other")
+
+
+def test_one_ratio_rule_for_the_cli_the_trainer_and_the_plan():
+    """A ratio gives the same size wherever it is read, and never zero tokens."""
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from lyanna_train.hotvocab.selection import SelectionRequest, size_for_ratio
+    from lyanna_train.training.plan import hot_vocab_size
+
+    for ratio, vocab in [(0.05, 49152), (0.08, 32000), (0.1, 151936), (1e-9, 1000), (0.5, 3)]:
+        cfg = SimpleNamespace(hotvocab=SimpleNamespace(full_vocab=False, size=None, ratio=ratio))
+        cli = SelectionRequest(ratio=ratio).resolve_size(vocab, np.full(vocab, np.nan), n_forced=0)
+        assert cli == hot_vocab_size(cfg, vocab) == size_for_ratio(ratio, vocab) >= 1
+    assert size_for_ratio(1e-9, 1000) == 1 and size_for_ratio(0.05, 49152) == 2458
