@@ -180,3 +180,23 @@ def test_only_the_engine_talks_to_deepspeed_and_only_tracking_to_wandb():
         for name, allowed in owners.items():
             if any(n.split(".")[0] == name for n in _imports(path)):
                 assert rel in allowed, f"{rel} imports {name}"
+
+
+def test_bench_scripts_and_data_tools_use_public_names_only():
+    """Scripts outside the package are its users: a private name they import can change under them."""
+    root = Path(__file__).resolve().parents[1]
+    private = []
+    for path in sorted([*root.glob("bench/*.py"), *root.glob("data_tools/*.py")]):
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        modules = {}  # local name -> lyanna_train module it stands for
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("lyanna_train"):
+                private += [f"{path.name}: {node.module}.{a.name}" for a in node.names if a.name.startswith("_")]
+                modules.update({a.asname or a.name: node.module for a in node.names})
+            elif isinstance(node, ast.Import):
+                modules.update({a.asname or a.name: a.name for a in node.names if a.name.startswith("lyanna_train")})
+        for node in ast.walk(tree):
+            if (isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__")
+                    and isinstance(node.value, ast.Name) and node.value.id in modules):
+                private.append(f"{path.name}:{node.lineno}: {node.value.id}.{node.attr}")
+    assert not private, private
