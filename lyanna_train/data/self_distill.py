@@ -1,22 +1,32 @@
 """Self-distillation: regenerate assistant turns with the target itself.
 
 A draft learns to predict what *the target* says, so training on the target's own
-answers (rather than another model's) raises acceptance. Conversations are processed in
-batches, turn by turn: each assistant turn is regenerated from the conversation so far
-(user turns kept, earlier assistant turns already regenerated), with left-padded
-batched ``generate``. Output is ShareGPT-format JSONL, appended and flushed per batch,
-so an interrupted run resumes by skipping the ids already written.
+answers (rather than another model's) raises acceptance. Every assistant turn of a
+conversation is regenerated from the conversation so far (user turns kept, earlier
+assistant turns already regenerated), up to ``max_turns``.
+
+The decoding is the serving runtime's continuous batching (``data_tools/self_distill.py``
+hands in a :class:`..runtime.scheduling.scheduler.BatchDecoder`, speculation on, which
+is lossless): up to ``batch_size`` conversations are in flight, a conversation's next
+turn is submitted the moment its previous one finishes, and a finished conversation
+frees its place for the next — no row waits for the slowest of a fixed batch. Each
+turn samples with its own seed, derived from the run's seed and the conversation's id,
+so a conversation's answers do not depend on which others shared its batch.
+
+Output is ShareGPT-format JSONL, one conversation per line, appended and fsynced as each
+conversation completes, so a run killed at any point resumes by skipping the ids
+already written (a torn last line is cut) and writes nothing twice.
 """
 
 from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass
+import zlib
+from collections import Counter
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable, Iterator
-
-import torch
+from typing import Iterable, Iterator, Protocol
 
 from ..errors import LyannaError
 from .chat_template import ChatRenderer, TemplateRenderError
@@ -26,12 +36,147 @@ _TO_SHAREGPT = {"user": "human", "assistant": "gpt", "system": "system"}
 
 @dataclass(frozen=True)
 class GenerationSettings:
-    max_new_tokens: int = 256
+    max_new_tokens: int = 256  # per turn
     temperature: float = 0.0  # 0 = greedy
     top_p: float = 1.0
-    max_prompt_tokens: int = 1024  # longer prompts end the conversation there
+    max_prompt_tokens: int = 1024  # a turn whose prompt is longer ends the conversation there
     max_turns: int = 1  # assistant turns regenerated per conversation (later ones are cut)
-    batch_size: int = 8
+    batch_size: int = 8  # conversations in flight
+    seed: int = 0
+
+    def __post_init__(self):
+        for name in ("max_new_tokens", "max_prompt_tokens", "max_turns", "batch_size"):
+            if getattr(self, name) < 1:
+                raise LyannaError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.temperature < 0 or not 0 < self.top_p <= 1:
+            raise LyannaError(f"need temperature >= 0 and top_p in (0, 1], got {self.temperature}, {self.top_p}")
+
+
+class Decoder(Protocol):
+    """What regeneration needs of a decoder (the runtime's ``BatchDecoder`` is one): submit
+    a prompt, step until its request is done. Kept as a protocol so the data layer does
+    not import the runtime."""
+
+    def submit(self, prompt_ids, max_new_tokens: int, sampling=None, seed: int | None = None,
+               eos_ids=None): ...
+
+    def step(self) -> list: ...
+
+
+def turn_seed(seed: int, cid: str, turn: int) -> int:
+    """A turn's sampling seed: the run's seed, the conversation and the turn, nothing else."""
+    return ((zlib.crc32(f"{seed}\0{cid}\0{turn}".encode()) << 16) ^ seed) & (2 ** 62 - 1)
+
+
+@dataclass
+class Regenerated:
+    cid: str
+    messages: list[dict]  # ends on a regenerated assistant turn
+    new_tokens: int
+
+
+@dataclass
+class _Conversation:
+    cid: str
+    source: list[dict]
+    out: list[dict] = field(default_factory=list)
+    cursor: int = 0
+    turns: int = 0
+    new_tokens: int = 0
+
+
+class SelfDistiller:
+    """Regenerates the assistant turns of conversations with a target through ``decoder``.
+
+    ``sampling``: what the decoder's ``submit`` takes for ``settings``' temperature and
+    top-p (the runtime's ``SamplingParams``; None: the decoder's default, greedy).
+    ``skipped`` counts conversations that gave nothing, by reason; ``cut`` those that
+    ended early but kept the turns they had."""
+
+    def __init__(self, decoder: Decoder, tokenizer, settings: GenerationSettings = GenerationSettings(),
+                 sampling=None):
+        self.decoder, self.tokenizer, self.settings, self.sampling = decoder, tokenizer, settings, sampling
+        self.renderer = ChatRenderer(tokenizer)
+        eot = [tokenizer.convert_tokens_to_ids(t) for t in self.renderer.end_of_turn_tokens()]
+        self.stop_ids = sorted({i for i in eot + [tokenizer.eos_token_id] if i is not None})
+        self.skipped: Counter[str] = Counter()
+        self.cut: Counter[str] = Counter()
+
+    def regenerate(self, conversations: Iterable[tuple[str, list[dict]]]) -> Iterator[Regenerated]:
+        """Yield each conversation with its assistant turns replaced, in the order they finish."""
+        todo = iter(conversations)
+        flying: dict[object, _Conversation] = {}  # request -> its conversation
+        exhausted = False
+        while flying or not exhausted:
+            while not exhausted and len(flying) < self.settings.batch_size:
+                item = next(todo, None)
+                if item is None:
+                    exhausted = True
+                    break
+                conv = _Conversation(str(item[0]), list(item[1]))
+                result = self._next_turn(conv, flying)
+                if result is not None:
+                    yield result
+            if not flying:
+                continue
+            for update in self.decoder.step():
+                conv = flying.get(update.request)
+                if conv is None or not update.request.done:
+                    continue
+                del flying[update.request]
+                result = self._finish_turn(conv, update.request, flying)
+                if result is not None:
+                    yield result
+
+    def _next_turn(self, conv: _Conversation, flying: dict) -> Regenerated | None:
+        """Submit ``conv``'s next assistant turn -> None, or the conversation if it is over."""
+        msgs = conv.source
+        while conv.cursor < len(msgs) and msgs[conv.cursor]["role"] != "assistant":
+            if not str(msgs[conv.cursor].get("content", "")).strip():
+                return self._end(conv, "empty turn")
+            conv.out.append(msgs[conv.cursor])
+            conv.cursor += 1
+        if conv.turns >= self.settings.max_turns or conv.cursor >= len(msgs) or not conv.out:
+            return self._end(conv, None if conv.turns else "no assistant turn")
+        try:
+            text = self.renderer.render(conv.out, add_generation_prompt=True)
+        except TemplateRenderError:
+            return self._end(conv, "template cannot render")
+        ids = self.tokenizer.backend_tokenizer.encode(text, add_special_tokens=False).ids
+        if len(ids) > self.settings.max_prompt_tokens:
+            return self._end(conv, "prompt over max_prompt_tokens")
+        request = self.decoder.submit(ids, self.settings.max_new_tokens, self.sampling,
+                                      turn_seed(self.settings.seed, conv.cid, conv.turns), self.stop_ids)
+        flying[request] = conv
+        return None
+
+    def _finish_turn(self, conv: _Conversation, request, flying: dict) -> Regenerated | None:
+        answer = [t for t in request.tokens if t not in self.stop_ids]
+        if request.error is not None:
+            return self._end(conv, "refused by the decoder")
+        if not answer:
+            return self._end(conv, "target stopped at once")
+        conv.out.append({"role": "assistant", "content": self.tokenizer.decode(answer)})
+        conv.new_tokens += len(answer)
+        conv.cursor += 1
+        conv.turns += 1
+        return self._next_turn(conv, flying)
+
+    def _end(self, conv: _Conversation, reason: str | None) -> Regenerated | None:
+        """Close ``conv`` (``reason`` None: it ran its course) -> the turns it has, ending on an
+        answer, or None with the skip counted by reason."""
+        while conv.out and conv.out[-1]["role"] != "assistant":
+            conv.out.pop()
+        if not conv.turns:
+            self.skipped[reason] += 1
+            return None
+        if reason is not None:
+            self.cut[reason] += 1
+        return Regenerated(conv.cid, conv.out, conv.new_tokens)
+
+
+def to_sharegpt(cid: str, messages: list[dict]) -> dict:
+    return {"id": cid, "conversations": [{"from": _TO_SHAREGPT[m["role"]], "value": m["content"]} for m in messages]}
 
 
 def done_ids(path: Path) -> set[str]:
@@ -50,79 +195,6 @@ def done_ids(path: Path) -> set[str]:
         with open(path, "r+b") as fh:
             fh.truncate(good_bytes)
     return ids
-
-
-class SelfDistiller:
-    """Regenerates assistant turns of conversations with a target model."""
-
-    def __init__(self, model, tokenizer, settings: GenerationSettings = GenerationSettings()):
-        self.model, self.tokenizer, self.settings = model, tokenizer, settings
-        self.renderer = ChatRenderer(tokenizer)
-        eot = [tokenizer.convert_tokens_to_ids(t) for t in self.renderer.end_of_turn_tokens()]
-        self.stop_ids = sorted({i for i in eot + [tokenizer.eos_token_id] if i is not None})
-        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.stop_ids[0]
-
-    def _generate(self, prompts: list[list[int]]) -> list[list[int]]:
-        longest = max(map(len, prompts))
-        ids = torch.full((len(prompts), longest), self.pad_id, dtype=torch.int64)
-        mask = torch.zeros((len(prompts), longest), dtype=torch.int64)
-        for row, p in enumerate(prompts):  # left padding: every prompt ends at the same column
-            ids[row, longest - len(p):] = torch.tensor(p)
-            mask[row, longest - len(p):] = 1
-        s = self.settings
-        sampling = dict(do_sample=True, temperature=s.temperature, top_p=s.top_p) if s.temperature > 0 else dict(do_sample=False)
-        with torch.inference_mode():
-            out = self.model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=s.max_new_tokens,
-                                      eos_token_id=self.stop_ids, pad_token_id=self.pad_id, **sampling)
-        answers = []
-        for row in out[:, longest:].tolist():
-            cut = next((k for k, t in enumerate(row) if t in self.stop_ids), len(row))
-            answers.append(row[:cut])
-        return answers
-
-    def regenerate(self, batch: list[tuple[str, list[dict]]]) -> Iterator[tuple[str, list[dict], int]]:
-        """Yield ``(id, messages, new_tokens)`` with assistant turns replaced by the target's."""
-        convs = {cid: list(msgs) for cid, msgs in batch}
-        out: dict[str, list[dict]] = {cid: [] for cid in convs}
-        cursor = {cid: 0 for cid in convs}
-        new_tokens = {cid: 0 for cid in convs}
-        active = set(convs)
-        for _ in range(self.settings.max_turns):
-            prompts, owners = [], []
-            for cid in sorted(active):
-                msgs = convs[cid]
-                while cursor[cid] < len(msgs) and msgs[cursor[cid]]["role"] != "assistant":
-                    out[cid].append(msgs[cursor[cid]])
-                    cursor[cid] += 1
-                if cursor[cid] >= len(msgs) or not out[cid]:
-                    active.discard(cid)
-                    continue
-                try:
-                    text = self.renderer.render(out[cid], add_generation_prompt=True)
-                except TemplateRenderError:
-                    active.discard(cid)
-                    continue
-                ids = self.tokenizer.backend_tokenizer.encode(text, add_special_tokens=False).ids
-                if len(ids) > self.settings.max_prompt_tokens:
-                    active.discard(cid)
-                    continue
-                prompts.append(ids)
-                owners.append(cid)
-            if not prompts:
-                break
-            for cid, answer in zip(owners, self._generate(prompts)):
-                out[cid].append({"role": "assistant", "content": self.tokenizer.decode(answer)})
-                new_tokens[cid] += len(answer)
-                cursor[cid] += 1
-        for cid in convs:
-            if any(m["role"] == "assistant" for m in out[cid]):
-                while out[cid] and out[cid][-1]["role"] != "assistant":  # end on an answer
-                    out[cid].pop()
-                yield cid, out[cid], new_tokens[cid]
-
-
-def to_sharegpt(cid: str, messages: list[dict]) -> dict:
-    return {"id": cid, "conversations": [{"from": _TO_SHAREGPT[m["role"]], "value": m["content"]} for m in messages]}
 
 
 def append_jsonl(path: Path, records: Iterable[dict]) -> None:
