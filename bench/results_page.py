@@ -1,5 +1,5 @@
 """Writes bench/results/README.md from the result files under bench/results/ (summary.json,
-results.json, serve_load.json), so no figure on that page is copied by hand.
+results.json, serve_load.json, regeneration.json), so no figure on that page is copied by hand.
 
     python bench/results_page.py            # rewrite the page
     python bench/results_page.py --check    # exit 1 when the page is stale (what the test runs)
@@ -90,6 +90,15 @@ def _serve(data: dict) -> list[str]:
                            "identical to --no-draft"], rows)
 
 
+def _regeneration(data: dict) -> list[str]:
+    lines = [f"`{data['command']}`: {data['conversations']} first turns x {data['max_new_tokens']} new tokens; "
+             f"{_environment(data)}; feature pass {data['feature_pass_tokens_per_s']:.1f} tok/s; best runtime / best "
+             f"generate {data['runtime_vs_generate']:.2f}x, / feature pass {data['runtime_vs_feature_pass']:.2f}x", ""]
+    rows = [[method, batch, r["tokens"], r["tokens_per_s"], r.get("identical_to_generate")]
+            for method, per_batch in data["results"].items() for batch, r in per_batch.items()]
+    return lines + _table(["method", "batch", "new tokens", "tok/s", "identical to generate"], rows)
+
+
 def _render(path: Path) -> list[str] | None:
     data = json.loads(path.read_text(encoding="utf-8"))
     if path.name == "summary.json":
@@ -98,6 +107,8 @@ def _render(path: Path) -> list[str] | None:
         return _peer(data) if "rows" in data else _scaling(data)
     if path.name == "serve_load.json":
         return _serve(data)
+    if path.name == "regeneration.json":
+        return _regeneration(data)
     return None
 
 

@@ -32,3 +32,18 @@ def test_every_figure_comes_from_a_result_file(tmp_path, monkeypatch):
     level["tokens_per_s"] = 99.0  # a changed source changes the page
     (folder / "serve_load.json").write_text(json.dumps({"command": "x", "levels": [level]}))
     assert "| 99.0 |" in render()
+
+
+def test_the_regeneration_bench_has_its_table(tmp_path):
+    page = _page()
+    folder = tmp_path / "results" / "regen-x"
+    folder.mkdir(parents=True)
+    data = {"command": "python bench/regeneration.py", "conversations": 4, "max_new_tokens": 8, "batch_sizes": [1],
+            "results": {"generate": {"1": {"tokens": 32, "tokens_per_s": 10.0}},
+                        "runtime": {"1": {"tokens": 32, "tokens_per_s": 21.5, "identical_to_generate": "4/4"}}},
+            "feature_pass_tokens_per_s": 300.0, "runtime_vs_generate": 2.15, "runtime_vs_feature_pass": 0.07}
+    (folder / "regeneration.json").write_text(json.dumps(data))
+    render = page["render"]
+    render.__globals__["RESULTS"] = tmp_path / "results"
+    text = render()
+    assert "## `regen-x`" in text and "| runtime | 1 | 32 | 21.5 | 4/4 |" in text and "generate 2.15x" in text

@@ -1,0 +1,141 @@
+"""Benchmark: regenerating answers with the target, on the runtime against batched ``generate``.
+
+The same first turns of a corpus are regenerated (greedy) three ways, each at several batch
+sizes, side by side in one run:
+
+* ``generate``: transformers' left-padded batched ``generate`` over fixed batches (how
+  self-distillation used to decode; a batch waits for its slowest row);
+* ``runtime``: ``data_tools/self_distill.py``'s way, the runtime's continuous batching with
+  speculation (the ``--draft`` head, else prompt lookup), which is lossless;
+* ``features``: the teacher-forced feature pass over the regenerated conversations (what
+  the feature cache costs per token; regeneration cannot beat the target's forward).
+
+    python bench/regeneration.py --draft checkpoints/smollm2_135m-export --out bench/results/regen \\
+        [--conversations 32] [--max-new-tokens 64] [--batch-size 1,4,8,16]
+
+Prints tokens/s per method and batch size and the ratios; writes OUT/regeneration.json.
+Answers of ``runtime`` are checked against ``generate``'s at batch 1 (greedy: identical up
+to floating-point ties).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import time
+from pathlib import Path
+
+import torch
+
+from lyanna_train.data.chat_template import ChatRenderer
+from lyanna_train.data.conversations import Document
+from lyanna_train.data.corpus import Corpus, ReadNotes, iter_documents
+from lyanna_train.data.features import FeatureExtractor
+from lyanna_train.data.self_distill import GenerationSettings, SelfDistiller
+from lyanna_train.runtime.cpu.tuning import tune
+from lyanna_train.runtime.loading import load_models
+from lyanna_train.runtime.scheduling.scheduler import BatchDecoder
+from lyanna_train.runtime.settings import DecodeSettings
+
+
+def first_turns(corpus: str, count: int) -> list[tuple[str, list[dict]]]:
+    """The first ``count`` conversations that open with a user turn, cut before their first answer."""
+    out = []
+    for doc in iter_documents(Corpus.resolve([corpus]), ReadNotes()):
+        if not (isinstance(doc, Document) and doc.is_conversation):
+            continue
+        msgs = doc.messages
+        k = next((i for i, m in enumerate(msgs) if m["role"] == "assistant"), None)
+        if k and all(str(m.get("content", "")).strip() for m in msgs[:k]):
+            out.append((str(doc.index), msgs[:k + 1]))
+        if len(out) >= count:
+            break
+    return out
+
+
+def by_generate(target, tokenizer, prompts: list[list[int]], stop_ids: list[int], batch: int, new: int) -> list[list[int]]:
+    answers = []
+    for start in range(0, len(prompts), batch):
+        chunk = prompts[start:start + batch]
+        longest = max(map(len, chunk))
+        ids = torch.full((len(chunk), longest), stop_ids[0], dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for row, p in enumerate(chunk):
+            ids[row, longest - len(p):], mask[row, longest - len(p):] = torch.tensor(p), 1
+        with torch.inference_mode():
+            out = target.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, do_sample=False,
+                                  eos_token_id=stop_ids, pad_token_id=stop_ids[0])
+        for row in out[:, longest:].tolist():
+            answers.append(row[:next((k for k, t in enumerate(row) if t in stop_ids), len(row))])
+    return answers
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--draft", help="exported draft head (default: prompt lookup only)")
+    p.add_argument("--target", default=None, help="target (default: the draft's, else smollm2)")
+    p.add_argument("--corpus", default="sharegpt")
+    p.add_argument("--conversations", type=int, default=32)
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--batch-size", default="1,4,8,16")
+    p.add_argument("--out", required=True, type=Path)
+    args = p.parse_args()
+    sizes = [int(b) for b in args.batch_size.split(",")]
+    target, tokenizer, draft = load_models(args.draft, args.target or (None if args.draft else "smollm2"),
+                                           args.draft is not None)
+    decode = DecodeSettings()
+    cost = tune(target, draft, shape=decode.tree, say=print)
+    convs = first_turns(args.corpus, args.conversations)
+    probe = SelfDistiller(BatchDecoder(target, None, decode, 1), tokenizer)
+    renderer, stop_ids = ChatRenderer(tokenizer), probe.stop_ids
+    prompts = [tokenizer.backend_tokenizer.encode(renderer.render(m[:-1], add_generation_prompt=True),
+                                                  add_special_tokens=False).ids for _, m in convs]
+    results: dict[str, dict[str, dict]] = {"generate": {}, "runtime": {}}
+    reference = None
+    for batch in sizes:
+        begin = time.perf_counter()
+        answers = by_generate(target, tokenizer, prompts, stop_ids, batch, args.max_new_tokens)
+        seconds = time.perf_counter() - begin
+        reference = reference or answers
+        tokens = sum(map(len, answers))
+        results["generate"][str(batch)] = {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds}
+        settings = GenerationSettings(max_new_tokens=args.max_new_tokens, batch_size=batch)
+        distiller = SelfDistiller(BatchDecoder(target, draft, decode, batch, cost), tokenizer, settings)
+        begin = time.perf_counter()
+        done = {r.cid: r for r in distiller.regenerate(convs)}
+        seconds = time.perf_counter() - begin
+        tokens = sum(r.new_tokens for r in done.values())
+        same = sum(done[cid].messages[-1]["content"] == tokenizer.decode(ref)
+                   for (cid, _), ref in zip(convs, reference) if cid in done)
+        results["runtime"][str(batch)] = {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds,
+                                          "identical_to_generate": f"{same}/{len(convs)}"}
+        print(f"batch {batch}: generate {results['generate'][str(batch)]['tokens_per_s']:.1f} tok/s, "
+              f"runtime {tokens / seconds:.1f} tok/s ({same}/{len(convs)} answers identical)", flush=True)
+    sequences = [p + a for p, a in zip(prompts, reference)]
+    extractor = FeatureExtractor(target)
+    begin = time.perf_counter()
+    for seq in sequences:
+        extractor(torch.tensor([seq]))
+    seconds = time.perf_counter() - begin
+    feature_tps = sum(map(len, sequences)) / seconds
+    best = {m: max(r.values(), key=lambda x: x["tokens_per_s"]) for m, r in results.items()}
+    summary = {
+        "command": "python bench/regeneration.py " + " ".join(
+            f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if v is not None and k != "out"),
+        "conversations": len(convs), "max_new_tokens": args.max_new_tokens, "batch_sizes": sizes,
+        "results": results, "feature_pass_tokens_per_s": feature_tps,
+        "runtime_vs_generate": best["runtime"]["tokens_per_s"] / best["generate"]["tokens_per_s"],
+        "runtime_vs_feature_pass": best["runtime"]["tokens_per_s"] / feature_tps,
+        "environment": {"cpu": platform.processor() or platform.machine(), "torch": torch.__version__,
+                        "threads": torch.get_num_threads()},
+    }
+    print(f"best runtime / best generate: {summary['runtime_vs_generate']:.2f}x; "
+          f"best runtime / feature pass ({feature_tps:.0f} tok/s): {summary['runtime_vs_feature_pass']:.2f}x")
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "regeneration.json").write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
