@@ -11,6 +11,7 @@ target forward) and :func:`..verification.step.accept_rows`; the scheduler
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 
 import torch
@@ -64,6 +65,7 @@ class Batch:
     rows: list[Row] = field(default_factory=list)
     width_limit: int | None = None  # most tokens per row a fused verify takes (the measured range)
     draft_seconds: float = 0.0  # the head's work in the current iteration (catch-up, trees, step 0)
+    recorder: object = None  # a FeatureRecorder (:mod:`..verification.recording`): every accepted token's features
 
 
 def next_token(logits: torch.Tensor, row: Row) -> int:
@@ -81,8 +83,13 @@ def prefill_row(batch: Batch, slot: int, row: Row) -> int:
     p = prompt.shape[1]
     batch.cache.reset_row(slot)
     offsets = batch.cache.begin(slice(slot, slot + 1), p)
-    logits, aux = ragged_forward(batch.target, batch.capture, batch.cache, prompt, torch.arange(p, device=device)[None],
-                                 chunk_mask(offsets, p, p), logits_to_keep=1)
+    recorder = batch.recorder
+    with recorder.watching() if recorder is not None else contextlib.nullcontext():
+        logits, aux = ragged_forward(batch.target, batch.capture, batch.cache, prompt,
+                                     torch.arange(p, device=device)[None], chunk_mask(offsets, p, p),
+                                     logits_to_keep=0 if recorder is not None else 1)
+    if recorder is not None:  # every prompt position's features, from this one forward
+        recorder.keep(row.request, aux[0], recorder.last[0], logits[0])
     batch.cache.advance(slot, p)
     first = next_token(logits[0, -1], row)
     if batch.draft is not None:  # the draft's step 0 over the prompt waits until the row first drafts

@@ -35,12 +35,14 @@ from typing import Callable, Iterator, Sequence
 import torch
 
 from ...models.draft_head import DraftHead
+from ...target.capture import LayerCapture
 from ..drafting.propose import propose_rows
 from ..drafting.state import BatchDraftState
 from ..pricing.cost import Costs, MeasuredCosts
 from ..pricing.estimates import AcceptanceEstimates
 from ..pricing.policy import fit_trees
 from ..settings import DecodeSettings, FusionSettings, SamplingParams
+from ..verification.recording import FeatureRecorder
 from ..verification.step import accept_rows, verify_rows
 from ..verification.target_step import check_target_masks, draft_capture
 from ..verification.tree import TokenTree
@@ -69,21 +71,28 @@ class BatchDecoder:
     (:func:`..cpu.tuning.tune`; None: :meth:`.Costs.flat`, an accelerator's regime).
     ``eos_ids``: stop ids for requests that give none (None: the target's
     ``generation_config``). ``layer_ids``: the target layers the draft reads. ``fusion``:
-    overrides ``settings.fusion``."""
+    overrides ``settings.fusion``. ``record_features``: each finished request carries the
+    target's features of its prompt and tokens (``Request.features``, :mod:`..verification.
+    recording`), taken from the decoding's own forwards; ``layer_ids`` then names the capture
+    layers (default: the draft's, else the convention's)."""
 
     def __init__(self, target, draft: DraftHead | None, settings: DecodeSettings = DecodeSettings(),
                  max_batch: int = 8, cost: Costs | None = None, eos_ids: int | Sequence[int] | None = None,
-                 layer_ids: Sequence[int] | None = None, fusion: FusionSettings | None = None):
+                 layer_ids: Sequence[int] | None = None, fusion: FusionSettings | None = None,
+                 record_features: bool = False):
         if max_batch < 1:
             raise ValueError(f"max_batch must be at least 1, got {max_batch}")
         check_target_masks(target)
         capture = draft_capture(target, draft, layer_ids)
+        if record_features and capture is None:
+            capture = LayerCapture(target, layer_ids)
         self.max_batch, self.fusion = max_batch, fusion or settings.fusion
         self.batch = Batch(target, draft, capture, RaggedCache.for_model(target, max_batch),
                            BatchDraftState(draft, max_batch) if draft is not None else None, settings,
                            _measured(cost, target),
                            getattr(target.config, "max_position_embeddings", None),
-                           width_limit=cost.verify.sizes[-1] if cost is not None else None)
+                           width_limit=cost.verify.sizes[-1] if cost is not None else None,
+                           recorder=FeatureRecorder(target) if record_features else None)
         self.eos = frozenset(stop_ids(target, eos_ids))
         self.waiting: deque[Request] = deque()
         self._refused: list[Request] = []  # failed at submit, reported by the next step
@@ -220,6 +229,8 @@ class BatchDecoder:
 
     def _free_done(self) -> None:
         """Free the slots of finished and cancelled rows; the last row takes each freed slot."""
+        if self.batch.recorder is not None:
+            self._finish_records()
         for slot in reversed(range(len(self.rows))):
             if self.rows[slot].request.done:
                 last = len(self.rows) - 1
@@ -233,6 +244,25 @@ class BatchDecoder:
                     if self.batch.draft_state is not None:
                         self.batch.draft_state.reset_row(slot)
                 self.rows.pop()
+
+
+    def _finish_records(self) -> None:
+        """Hand each finished request its recorded features; a request whose last token no
+        forward has scored yet (it was the row's bonus token) gets a one-token forward."""
+        recorder = self.batch.recorder
+        for slot, row in enumerate(self.rows):
+            request = row.request
+            if not request.done or request.features is not None:
+                continue
+            if request.status is not Status.FINISHED:
+                recorder.forget(request)
+                continue
+            length = len(request.prompt) + len(request.tokens)
+            if recorder.count(request) < length:  # only ever the row's last token: it is the root of no verify yet
+                tree = TokenTree.rooted_at(row.last_token)
+                logits, aux = verify_rows(self.batch, slice(slot, slot + 1), [tree])
+                recorder.keep(request, aux[0, :1], recorder.last[0, :1], logits[0, :1])
+            request.features = recorder.finish(request, length)
 
 
 def _measured(cost: Costs | None, target):

@@ -13,6 +13,7 @@ applied to its own logits, which a row's padding and the other rows never touch.
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 import torch
@@ -38,8 +39,9 @@ def verify_rows(batch, rows: slice, trees: list[TokenTree]) -> tuple[torch.Tenso
         parents[i, :len(tree)] = torch.tensor(tree.parents)
     offsets = batch.cache.begin(rows, width)
     mask = ragged_mask(offsets, parents, batch.cache.plan.kv_length)
-    return ragged_forward(batch.target, batch.capture, batch.cache, tokens.to(device), offsets[:, None] +
-                          depths.to(device), mask)
+    with batch.recorder.watching() if batch.recorder is not None else contextlib.nullcontext():
+        return ragged_forward(batch.target, batch.capture, batch.cache, tokens.to(device), offsets[:, None] +
+                              depths.to(device), mask)
 
 
 def accept_rows(batch, rows: slice, trees: list[TokenTree], logits: torch.Tensor,
@@ -58,6 +60,8 @@ def accept_rows(batch, rows: slice, trees: list[TokenTree], logits: torch.Tensor
         row.estimates.update(tree, new)
         paths.append(path)
         news.append(new)
+        if batch.recorder is not None:  # the accepted nodes' features (the root's token first)
+            batch.recorder.keep(row.request, aux[i, path], batch.recorder.last[i, path], logits[i, path])
     batch.cache.keep(rows, paths)
     if batch.draft is not None:
         _extend_drafts(batch, rows, paths, news, aux)

@@ -1,0 +1,73 @@
+"""The target's features for every token it decodes, kept while it decodes them.
+
+Self-distillation needs, for each token of a regenerated answer, what the feature cache
+holds (:mod:`lyanna_train.data.feature_cache`): the capture layers' outputs (``aux``), the
+last hidden state (the LM head's input) and the teacher's full-vocabulary top-1 and
+logsumexp. Decoding computes all of them already — the prompt's in the prefill, each
+accepted token's in the verify forward that scored it — so a :class:`FeatureRecorder`
+keeps them instead of paying a second, teacher-forced pass. Rejected candidates and
+padding are never kept; tokens a row accepted past its request's cut are dropped at the
+end, and the one token no forward has scored yet (the last) gets a one-token forward
+when its request finishes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class RecordedFeatures:
+    """One request's features, position t for token t of prompt + answer."""
+
+    aux: torch.Tensor  # [T, k·H] the capture layers' outputs, concatenated
+    last: torch.Tensor  # [T, H] what the LM head reads: lm_head(last) == the target's logits
+    top1: torch.Tensor  # [T] int64 argmax of the full-vocabulary logits
+    logsumexp: torch.Tensor  # [T] float32 of the same logits
+
+    def __len__(self) -> int:
+        return self.aux.shape[0]
+
+
+class FeatureRecorder:
+    """Keeps each request's features as its forwards compute them (:meth:`keep`), in order."""
+
+    def __init__(self, target):
+        self.head = target.get_output_embeddings()
+        self.last: torch.Tensor | None = None  # the LM head's input in the latest watched forward
+        self._kept: dict[int, list[tuple[torch.Tensor, ...]]] = {}
+
+    @contextlib.contextmanager
+    def watching(self):
+        """Hook the LM head's input for the forwards run inside (``self.last``)."""
+        def hook(_module, inputs):
+            self.last = inputs[0]
+
+        handle = self.head.register_forward_pre_hook(hook)
+        try:
+            yield self
+        finally:
+            handle.remove()
+
+    def keep(self, request, aux: torch.Tensor, last: torch.Tensor, logits: torch.Tensor) -> None:
+        """Append the next positions of ``request`` ([N, ...] each, in token order)."""
+        logits = logits.float()
+        self._kept.setdefault(request.id, []).append(
+            (aux.detach().clone(), last.detach().clone(), logits.argmax(-1), torch.logsumexp(logits, -1)))
+
+    def count(self, request) -> int:
+        return sum(chunk[0].shape[0] for chunk in self._kept.get(request.id, ()))
+
+    def finish(self, request, length: int) -> RecordedFeatures:
+        """The request's first ``length`` positions (prompt + delivered tokens), forgotten here."""
+        chunks = self._kept.pop(request.id, [])
+        parts = [torch.cat([c[k] for c in chunks])[:length] for k in range(4)]
+        if parts[0].shape[0] != length:
+            raise RuntimeError(f"request {request.id}: {parts[0].shape[0]} positions recorded, {length} needed")
+        return RecordedFeatures(*parts)
+
+    def forget(self, request) -> None:
+        self._kept.pop(request.id, None)

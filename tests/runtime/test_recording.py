@@ -1,0 +1,53 @@
+"""Features recorded while decoding equal a teacher-forced forward over the same tokens:
+prompt positions from the prefill, answer positions from the verify forwards (accepted
+nodes only), the last token from its own forward — with speculation on and off, greedy
+and sampled, one row and several."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lyanna_train.data.features import FeatureExtractor
+from lyanna_train.runtime.scheduling.scheduler import BatchDecoder
+from lyanna_train.runtime.settings import DecodeSettings, LookupSettings, SamplingParams, TreeShape
+
+from .conftest import FIT_PROMPTS, LAYER_IDS, drafted_tokens
+
+MAX_NEW = [40, 1, 25, 33]  # one request ends at its first token: its last position needs the extra forward
+PLAIN = DecodeSettings(TreeShape(0, 1, 1, 0), LookupSettings(0), verify="all")
+SPECULATE = DecodeSettings(TreeShape(4, 2, 2, 8), LookupSettings(4, pool_tokens=4), verify="all")
+
+
+@pytest.mark.parametrize("max_batch", [1, 3])
+@pytest.mark.parametrize("mode", ["plain", "speculate", "speculate-sampled"])
+def test_recorded_features_equal_a_teacher_forced_forward(tiny_target, tiny_fitted, mode, max_batch):
+    draft = None if mode == "plain" else tiny_fitted[True]
+    settings = PLAIN if mode == "plain" else SPECULATE
+    decoder = BatchDecoder(tiny_target, draft, settings, max_batch, eos_ids=(), layer_ids=LAYER_IDS,
+                           record_features=True)
+    sampling = SamplingParams(temperature=0.8) if mode.endswith("sampled") else None
+    requests = [decoder.submit(p, n, sampling, seed=i) for i, (p, n) in enumerate(zip(FIT_PROMPTS, MAX_NEW))]
+    for _ in decoder.run():
+        pass
+    if mode == "speculate" and max_batch == 1:
+        assert sum(drafted_tokens(r) for r in requests) > 20  # multi-token paths were recorded
+    extractor = FeatureExtractor(tiny_target, LAYER_IDS)
+    for request in requests:
+        ids = torch.tensor([request.prompt + request.tokens])
+        reference = extractor(ids)
+        logits = tiny_target(ids).logits[0].float()
+        got = request.features
+        assert len(got) == ids.shape[1]
+        torch.testing.assert_close(got.aux, reference.aux[0], atol=2e-4, rtol=1e-4)
+        torch.testing.assert_close(got.last, reference.last[0], atol=2e-4, rtol=1e-4)
+        torch.testing.assert_close(got.logsumexp, torch.logsumexp(logits, -1), atol=2e-4, rtol=1e-5)
+        assert torch.equal(got.top1, logits.argmax(-1))
+
+
+def test_nothing_is_recorded_unless_asked(tiny_target):
+    decoder = BatchDecoder(tiny_target, None, PLAIN, 2, eos_ids=())
+    request = decoder.submit(FIT_PROMPTS[0], 5)
+    for _ in decoder.run():
+        pass
+    assert request.features is None and decoder.batch.recorder is None
