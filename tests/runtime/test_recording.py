@@ -10,6 +10,7 @@ import torch
 
 from lyanna_train.data.features import FeatureExtractor
 from lyanna_train.runtime.scheduling.scheduler import BatchDecoder
+from lyanna_train.runtime.verification.recording import unclosed
 from lyanna_train.runtime.settings import DecodeSettings, LookupSettings, SamplingParams, TreeShape
 
 from .conftest import FIT_PROMPTS, LAYER_IDS, drafted_tokens
@@ -27,14 +28,18 @@ def test_recorded_features_equal_a_teacher_forced_forward(tiny_target, tiny_fitt
     decoder = BatchDecoder(tiny_target, draft, settings, max_batch, eos_ids=(), layer_ids=LAYER_IDS,
                            record_features=True)
     sampling = SamplingParams(temperature=0.8) if mode.endswith("sampled") else None
-    requests = [decoder.submit(p, n, sampling, seed=i) for i, (p, n) in enumerate(zip(FIT_PROMPTS, MAX_NEW))]
+    # closing tokens after the answer (a chat template's end of turn): recorded too, from the same chain forward
+    closing = [(), (7, 3), (11,), ()]
+    requests = [decoder.submit(p, n, sampling, seed=i, closing=c)
+                for i, (p, n, c) in enumerate(zip(FIT_PROMPTS, MAX_NEW, closing))]
     for _ in decoder.run():
         pass
     if mode == "speculate" and max_batch == 1:
         assert sum(drafted_tokens(r) for r in requests) > 20  # multi-token paths were recorded
     extractor = FeatureExtractor(tiny_target, LAYER_IDS)
     for request in requests:
-        ids = torch.tensor([request.prompt + request.tokens])
+        ids = torch.tensor([request.prompt + request.tokens + unclosed(request.tokens, request.closing)])
+        assert request.features.ids == ids[0].tolist()
         reference = extractor(ids)
         logits = tiny_target(ids).logits[0].float()
         got = request.features
@@ -43,6 +48,14 @@ def test_recorded_features_equal_a_teacher_forced_forward(tiny_target, tiny_fitt
         torch.testing.assert_close(got.last, reference.last[0], atol=2e-4, rtol=1e-4)
         torch.testing.assert_close(got.logsumexp, torch.logsumexp(logits, -1), atol=2e-4, rtol=1e-5)
         assert torch.equal(got.top1, logits.argmax(-1))
+
+
+def test_unclosed_leaves_out_what_the_answer_already_ends_with():
+    assert unclosed([5, 6, 7], (7, 3)) == [3]
+    assert unclosed([5, 6], (7, 3)) == [7, 3]
+    assert unclosed([5, 7, 3], (7, 3)) == []
+    assert unclosed([], (7, 3)) == [7, 3]
+    assert unclosed([5, 6], ()) == []
 
 
 def test_nothing_is_recorded_unless_asked(tiny_target):

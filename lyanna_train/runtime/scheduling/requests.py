@@ -40,7 +40,8 @@ class Request:
     target_forwards: int = 0  # prefill included
     accept_lengths: list[int] = field(default_factory=list)  # tokens per verify forward after the prefill
     tree_sizes: list[int] = field(default_factory=list)  # nodes this row verified per forward, root included
-    features: object = None  # RecordedFeatures of prompt + tokens, when the decoder records them
+    features: object = None  # RecordedFeatures of prompt + tokens (+ closing), when the decoder records them
+    closing: tuple[int, ...] = ()  # tokens that close the answer, recorded after it (see BatchDecoder.submit)
     submitted_at: float = field(default_factory=time.perf_counter)
     first_token_at: float | None = None
     finished_at: float | None = None

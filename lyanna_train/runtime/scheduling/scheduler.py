@@ -42,7 +42,7 @@ from ..pricing.cost import Costs, MeasuredCosts
 from ..pricing.estimates import AcceptanceEstimates
 from ..pricing.policy import fit_trees
 from ..settings import DecodeSettings, FusionSettings, SamplingParams
-from ..verification.recording import FeatureRecorder
+from ..verification.recording import FeatureRecorder, unclosed
 from ..verification.step import accept_rows, verify_rows
 from ..verification.target_step import check_target_masks, draft_capture
 from ..verification.tree import TokenTree
@@ -109,8 +109,12 @@ class BatchDecoder:
         return not (self.waiting or self.rows or self._refused)
 
     def submit(self, prompt_ids, max_new_tokens: int, sampling: SamplingParams | None = None, seed: int | None = None,
-               eos_ids: int | Sequence[int] | None = None) -> Request:
-        """Queue a request -> its handle (``status`` FAILED with ``error`` if it cannot be served)."""
+               eos_ids: int | Sequence[int] | None = None, closing: Sequence[int] = ()) -> Request:
+        """Queue a request -> its handle (``status`` FAILED with ``error`` if it cannot be served).
+
+        ``closing`` (recording decoders only): the tokens a chat template puts after an answer
+        (its end-of-turn token and what follows it); their features are recorded after the
+        answer's, all of them or, when the answer already ends with their first few, the rest."""
         try:
             prompt, error = torch.as_tensor(prompt_ids, dtype=torch.long).flatten().tolist(), None
         except (TypeError, ValueError, RuntimeError, OverflowError) as err:  # ids past int64, not numbers
@@ -118,7 +122,7 @@ class BatchDecoder:
         eos = self.eos if eos_ids is None else frozenset(stop_ids(self.batch.target, eos_ids))
         self._ids += 1
         request = Request(self._ids, prompt, max_new_tokens, sampling or self.batch.settings.sampling,
-                          self.batch.settings.seed if seed is None else seed, eos)
+                          self.batch.settings.seed if seed is None else seed, eos, closing=tuple(closing))
         error = error or check_request(prompt, max_new_tokens, self.batch.target.config.vocab_size,
                                        self.batch.max_positions, request.seed)
         if error is not None:
@@ -257,12 +261,22 @@ class BatchDecoder:
             if request.status is not Status.FINISHED:
                 recorder.forget(request)
                 continue
-            length = len(request.prompt) + len(request.tokens)
-            if recorder.count(request) < length:  # only ever the row's last token: it is the root of no verify yet
-                tree = TokenTree.rooted_at(row.last_token)
+            ids = request.prompt + request.tokens
+            extra = unclosed(request.tokens, request.closing)
+            if len(ids) + len(extra) > (self.batch.max_positions or len(ids) + len(extra)):
+                extra = []  # the context is full: the answer stays unclosed
+            if recorder.count(request) < len(ids) + len(extra):
+                # re-score from the answer's last token: the root of no verify yet, or (a request
+                # cut inside an accepted path) followed in both caches by tokens it does not keep
+                start = len(ids) - 1
+                recorder.cut(request, start)
+                self.batch.cache.lengths[slot] = start
+                tree = TokenTree.rooted_at(ids[-1])
+                tree.add_path(extra)
                 logits, aux = verify_rows(self.batch, slice(slot, slot + 1), [tree])
-                recorder.keep(request, aux[0, :1], recorder.last[0, :1], logits[0, :1])
-            request.features = recorder.finish(request, length)
+                n = len(tree)
+                recorder.keep(request, aux[0, :n], recorder.last[0, :n], logits[0, :n])
+            request.features = recorder.finish(request, ids + extra)
 
 
 def _measured(cost: Costs | None, target):

@@ -7,8 +7,10 @@ logsumexp. Decoding computes all of them already — the prompt's in the prefill
 accepted token's in the verify forward that scored it — so a :class:`FeatureRecorder`
 keeps them instead of paying a second, teacher-forced pass. Rejected candidates and
 padding are never kept; tokens a row accepted past its request's cut are dropped at the
-end, and the one token no forward has scored yet (the last) gets a one-token forward
-when its request finishes.
+end, and the one token no forward has scored yet (the last) gets its forward when its
+request finishes — one chain forward that also scores the request's ``closing`` tokens
+(what a chat template puts after an answer), so a recorded conversation is the whole
+turn a training sample holds.
 """
 
 from __future__ import annotations
@@ -21,8 +23,9 @@ import torch
 
 @dataclass
 class RecordedFeatures:
-    """One request's features, position t for token t of prompt + answer."""
+    """One request's features, position t for token t of ``ids`` (prompt + answer + closing)."""
 
+    ids: list[int]  # the tokens they are the features of
     aux: torch.Tensor  # [T, k·H] the capture layers' outputs, concatenated
     last: torch.Tensor  # [T, H] what the LM head reads: lm_head(last) == the target's logits
     top1: torch.Tensor  # [T] int64 argmax of the full-vocabulary logits
@@ -30,6 +33,16 @@ class RecordedFeatures:
 
     def __len__(self) -> int:
         return self.aux.shape[0]
+
+
+def unclosed(answer: list[int], closing) -> list[int]:
+    """The closing tokens still to come after ``answer``: all of ``closing``, or the rest of
+    it when ``answer`` already ends with its first few (e.g. the end-of-turn token)."""
+    closing = list(closing)
+    for k in range(min(len(closing), len(answer)), 0, -1):
+        if answer[-k:] == closing[:k]:
+            return closing[k:]
+    return closing
 
 
 class FeatureRecorder:
@@ -61,13 +74,20 @@ class FeatureRecorder:
     def count(self, request) -> int:
         return sum(chunk[0].shape[0] for chunk in self._kept.get(request.id, ()))
 
-    def finish(self, request, length: int) -> RecordedFeatures:
-        """The request's first ``length`` positions (prompt + delivered tokens), forgotten here."""
+    def cut(self, request, length: int) -> None:
+        """Forget ``request``'s positions from ``length`` on (to score them again)."""
+        chunks = self._kept.get(request.id)
+        if chunks and self.count(request) > length:
+            self._kept[request.id] = [tuple(torch.cat([c[k] for c in chunks])[:length] for k in range(4))]
+
+    def finish(self, request, ids: list[int]) -> RecordedFeatures:
+        """The features of ``ids`` (prompt + delivered tokens + closing), forgotten here."""
         chunks = self._kept.pop(request.id, [])
+        length = len(ids)
         parts = [torch.cat([c[k] for c in chunks])[:length] for k in range(4)]
         if parts[0].shape[0] != length:
             raise RuntimeError(f"request {request.id}: {parts[0].shape[0]} positions recorded, {length} needed")
-        return RecordedFeatures(*parts)
+        return RecordedFeatures(list(ids), *parts)
 
     def forget(self, request) -> None:
         self._kept.pop(request.id, None)
