@@ -9,11 +9,18 @@ exported draft head when --draft is given, else prompt lookup. Every assistant t
 > 0 samples, with --top-p; each turn's seed comes from --seed and the conversation's id).
 Resumable: kill it at any point and re-run with the same --out; nothing is written twice.
 Output is ShareGPT-format JSONL, readable by every corpus loader of this project.
+
+With --features DIR the same pass writes the target's features of every conversation as a
+feature cache (the decoder computes them anyway): train on both with
+`lyanna-train +recipe=... data.corpus=[OUT] data.cache_dir=DIR` (same --max-length and
+--shard-tokens as the run's data.max_length and data.shard_tokens), and the run computes no
+feature. Conversations then reach OUT a shard at a time, after their features.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 import time
 from pathlib import Path
@@ -45,6 +52,13 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--top-p", type=float, default=1.0)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    cache = ap.add_argument_group("features in the same pass (lyanna-train data.corpus=[OUT] data.cache_dir=DIR)")
+    cache.add_argument("--features", type=Path, metavar="DIR",
+                       help="also write the target's features of every conversation, as a feature cache")
+    cache.add_argument("--layers", help="capture layers, comma-separated (default: EAGLE-3's 1, L/2-1, L-4)")
+    cache.add_argument("--feature-dtype", choices=["bfloat16", "float8_e4m3fn"], default="bfloat16")
+    cache.add_argument("--max-length", type=int, default=2048, help="tokens per sample: the run's data.max_length")
+    cache.add_argument("--shard-tokens", type=int, default=32768, help="the run's data.shard_tokens")
     args = ap.parse_args(argv)
     if args.limit is not None and args.limit < 1:
         raise LyannaError(f"--limit must be at least 1, got {args.limit}")
@@ -53,8 +67,14 @@ def main(argv: list[str]) -> int:
                                   batch_size=args.batch_size, seed=args.seed)
     check_output_path(args.out)
     corpus = Corpus.resolve(args.corpus)
-    check_apart(args.out, [*args.corpus, *(s.path for s in corpus.sources), *(x for x in (args.target, args.draft) if x)])
-    with output_lock(args.out):  # one writer per output file
+    inputs = [*args.corpus, *(s.path for s in corpus.sources), *(x for x in (args.target, args.draft) if x)]
+    check_apart(args.out, inputs)
+    if args.features is not None:
+        check_apart(args.features, [*inputs, args.out])
+    with contextlib.ExitStack() as held:  # one writer per output (the run-folder lock)
+        held.enter_context(output_lock(args.out))
+        if args.features is not None:
+            held.enter_context(output_lock(args.features))
         return _run(args, corpus, settings)
 
 
@@ -67,14 +87,19 @@ def _run(args, corpus: Corpus, settings: GenerationSettings) -> int:
     from lyanna_train.runtime.settings import DecodeSettings, SamplingParams
 
     refuse_evaluation_sets(corpus)
-    done = done_ids(args.out)
     target, tokenizer, draft = load_models(args.draft, args.target or (None if args.draft else "smollm2"),
                                            args.draft is not None, args.threads)
+    layer_ids, output = None, None
+    if args.features is not None:
+        layer_ids = _capture_layers(args, target, draft)
+        output = _distilled_output(args, corpus, target, tokenizer, layer_ids)
+    done = done_ids(args.out)
     decode = DecodeSettings()
     cost = tune(target, draft, shape=decode.tree, say=lambda line: print(line, file=sys.stderr, flush=True))
-    decoder = BatchDecoder(target, draft, decode, max_batch=settings.batch_size, cost=cost)
+    decoder = BatchDecoder(target, draft, decode, max_batch=settings.batch_size, cost=cost, layer_ids=layer_ids,
+                           record_features=output is not None)
     sampling = SamplingParams(temperature=settings.temperature, top_p=settings.top_p)
-    distiller = SelfDistiller(decoder, tokenizer, settings, sampling)
+    distiller = SelfDistiller(decoder, tokenizer, settings, sampling, record_features=output is not None)
     if done:
         print(f"resuming: {len(done)} conversations already in {args.out}")
 
@@ -96,18 +121,50 @@ def _run(args, corpus: Corpus, settings: GenerationSettings) -> int:
     bar = tqdm(total=args.limit, unit="conv", desc="regenerating")
     written, tokens, start = 0, 0, time.perf_counter()
     for result in distiller.regenerate(todo()):
-        append_jsonl(args.out, [to_sharegpt(result.cid, result.messages)])
+        record = to_sharegpt(result.cid, result.messages)
+        if output is None:
+            append_jsonl(args.out, [record])
+        else:  # written a shard at a time, after its features
+            output.add(record, result.features)
         written += 1
         tokens += result.new_tokens
         bar.update(resumed[0] + written + sum(distiller.skipped.values()) - bar.n)
         bar.set_postfix(tok_s=f"{tokens / (time.perf_counter() - start):.1f}", refresh=False)
+    if output is not None:
+        output.close()
     bar.close()
     seconds = max(time.perf_counter() - start, 1e-9)
     skipped = ", ".join(f"{n} {why}" for why, n in sorted(distiller.skipped.items())) or "none"
     cut = ", ".join(f"{n} {why}" for why, n in sorted(distiller.cut.items()))
     print(f"wrote {written} conversations ({tokens} generated tokens, {tokens / seconds:.1f} tok/s) to {args.out}; "
           f"skipped: {skipped}" + (f"; ended early (earlier turns kept): {cut}" if cut else ""))
+    if output is not None:
+        print(f"features: {args.features} ({len(output.plan)} shards; {output.stats.summary()}; "
+              f"{output.recomputed} samples re-tokenized otherwise, their features computed again)")
     return 0
+
+
+def _capture_layers(args, target, draft) -> list[int]:
+    """The cache's capture layers: --layers, else the convention's; a draft must read the same."""
+    from lyanna_train.target.capture import check_layer_ids, default_layer_ids, parse_layer_ids
+
+    count = target.config.num_hidden_layers
+    layers = check_layer_ids(parse_layer_ids(args.layers) if args.layers else default_layer_ids(count), count)
+    drafted = list(draft.cfg.aux_layer_ids or ()) if draft is not None else None
+    if drafted and drafted != list(layers):
+        raise LyannaError(f"--draft reads layers {drafted}, the feature cache is asked for {list(layers)}: "
+                          f"pass --layers {','.join(map(str, drafted))} or another draft")
+    return list(layers)
+
+
+def _distilled_output(args, corpus: Corpus, target, tokenizer, layer_ids):
+    from lyanna_train.data.distilled_output import DistilledOutput
+    from lyanna_train.data.feature_cache_writer import CacheSettings
+
+    settings = CacheSettings(max_length=args.max_length, shard_tokens=args.shard_tokens,
+                             feature_dtype=args.feature_dtype)
+    source = {"corpus": [str(args.out)], "regenerated_from": list(args.corpus), "target": args.target}
+    return DistilledOutput(args.out, args.features, target, tokenizer, layer_ids, settings, source)
 
 
 if __name__ == "__main__":

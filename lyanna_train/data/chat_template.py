@@ -108,15 +108,25 @@ class ChatRenderer:
                 spans.append((start, end))
         return RenderedConversation(text, spans, unaligned)
 
-    def end_of_turn_tokens(self) -> list[str]:
-        """The special token(s) that close an assistant turn, found by a probe render."""
+    def _probe(self) -> tuple[str, str]:
+        """An answer's rendered span and what the template writes after it, from a probe render."""
         probe = [{"role": "user", "content": "ping"}, {"role": "assistant", "content": "pong"}]
         rendered = self.render_with_spans(probe)
         if not rendered.spans:
-            return []
+            return "", ""
         start, end = rendered.spans[0]
-        tail = rendered.text[start:end]
-        return [s for s in self._specials if tail.endswith(s)][:1]
+        return rendered.text[start:end], rendered.text[end:]
+
+    def end_of_turn_tokens(self) -> list[str]:
+        """The special token(s) that close an assistant turn, found by a probe render."""
+        span, _ = self._probe()
+        return [s for s in self._specials if span.endswith(s)][:1]
+
+    def closing_text(self) -> str:
+        """What follows an answer's content when it is the conversation's last turn: the
+        end-of-turn token and whatever the template appends after it (a newline, say)."""
+        span, after = self._probe()
+        return "".join(self.end_of_turn_tokens()) + after
 
 
 def token_range(encoding, start: int, end: int) -> tuple[int, int]:

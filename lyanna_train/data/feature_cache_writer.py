@@ -130,7 +130,8 @@ def shard_batches(group: ShardSamples, batch_tokens: int) -> Iterator[list[Sampl
     return length_grouped_batches(items, batch_tokens, seed=group.shard, buffer_size=len(items))
 
 def write_shard(root: Path, planned: dict, tensors: dict[str, torch.Tensor], meta: dict) -> dict:
-    """Write one shard file, then its index entry; each appears only once complete."""
+    """Write one shard file, then its index entry; each appears only once complete (a file
+    without its entry is a partial shard, never read)."""
     from safetensors.torch import save
 
     data = save(tensors, metadata={"lyanna": json.dumps({**meta, **planned}, sort_keys=True)})
@@ -212,7 +213,7 @@ class BuildResult:
     def tokens_per_second(self) -> float:
         return self.tokens_computed / max(self.seconds, 1e-9)
 
-def _manifest(model, tokenizer, extractor, settings, plan, skipped, source) -> dict:
+def cache_manifest(model, tokenizer, extractor, settings, plan, skipped, source) -> dict:
     config = model.config
     return {
         "format": FORMAT,
@@ -237,7 +238,7 @@ def _manifest(model, tokenizer, extractor, settings, plan, skipped, source) -> d
         "shards": plan,
     }
 
-def _prepare(out: Path, manifest: dict, overwrite: bool) -> None:
+def prepare_cache_dir(out: Path, manifest: dict, overwrite: bool) -> None:
     """Refuse to add to a cache made with other settings; then (re)write the manifest."""
     if out.exists() and not out.is_dir():
         raise LyannaError(f"output path {out} exists and is not a directory")
@@ -255,7 +256,7 @@ def _prepare(out: Path, manifest: dict, overwrite: bool) -> None:
     (out / SHARDS).mkdir(parents=True, exist_ok=True)
     write_json_atomic(out / "manifest.json", manifest)
 
-def _remove_stale_temporaries(out: Path, part: int, parts: int) -> None:
+def remove_stale_temporaries(out: Path, part: int, parts: int) -> None:
     """Delete half-written files a killed run of this process left (other processes own theirs)."""
     for tmp in (out / SHARDS).glob(".shard-*.tmp-*"):
         if int(tmp.name.split("-")[1].split(".")[0]) % parts == part:
@@ -350,9 +351,9 @@ def open_cache(samples, model, tokenizer, out: Path, layer_ids, settings: CacheS
     plan = [g.plan() for g in (kept if keep_groups else groups)]
     if not plan:
         raise LyannaError("no sample has any loss token: nothing to cache")
-    manifest = _manifest(model, tokenizer, extractor, settings, plan, skipped, source)
-    _prepare(out, manifest, overwrite)
-    _remove_stale_temporaries(out, part, parts)
+    manifest = cache_manifest(model, tokenizer, extractor, settings, plan, skipped, source)
+    prepare_cache_dir(out, manifest, overwrite)
+    remove_stale_temporaries(out, part, parts)
     return OpenedCache(out, manifest, extractor, kept)
 
 

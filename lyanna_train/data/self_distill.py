@@ -58,7 +58,7 @@ class Decoder(Protocol):
     not import the runtime."""
 
     def submit(self, prompt_ids, max_new_tokens: int, sampling=None, seed: int | None = None,
-               eos_ids=None): ...
+               eos_ids=None, closing=()): ...
 
     def step(self) -> list: ...
 
@@ -73,6 +73,7 @@ class Regenerated:
     cid: str
     messages: list[dict]  # ends on a regenerated assistant turn
     new_tokens: int
+    features: object = None  # the target's features of the whole conversation (record_features)
 
 
 @dataclass
@@ -83,6 +84,7 @@ class _Conversation:
     cursor: int = 0
     turns: int = 0
     new_tokens: int = 0
+    features: object = None  # of the latest turn's prompt, answer and closing tokens
 
 
 class SelfDistiller:
@@ -91,14 +93,18 @@ class SelfDistiller:
     ``sampling``: what the decoder's ``submit`` takes for ``settings``' temperature and
     top-p (the runtime's ``SamplingParams``; None: the decoder's default, greedy).
     ``skipped`` counts conversations that gave nothing, by reason; ``cut`` those that
-    ended early but kept the turns they had."""
+    ended early but kept the turns they had. ``record_features`` (a decoder that records
+    them): each conversation comes with the target's features of all its tokens, its last
+    turn closed as the chat template closes it."""
 
     def __init__(self, decoder: Decoder, tokenizer, settings: GenerationSettings = GenerationSettings(),
-                 sampling=None):
+                 sampling=None, record_features: bool = False):
         self.decoder, self.tokenizer, self.settings, self.sampling = decoder, tokenizer, settings, sampling
         self.renderer = ChatRenderer(tokenizer)
         eot = [tokenizer.convert_tokens_to_ids(t) for t in self.renderer.end_of_turn_tokens()]
         self.stop_ids = sorted({i for i in eot + [tokenizer.eos_token_id] if i is not None})
+        self.closing = (tokenizer.backend_tokenizer.encode(self.renderer.closing_text(), add_special_tokens=False).ids
+                        if record_features else None)
         self.skipped: Counter[str] = Counter()
         self.cut: Counter[str] = Counter()
 
@@ -145,8 +151,12 @@ class SelfDistiller:
         ids = self.tokenizer.backend_tokenizer.encode(text, add_special_tokens=False).ids
         if len(ids) > self.settings.max_prompt_tokens:
             return self._end(conv, "prompt over max_prompt_tokens")
-        request = self.decoder.submit(ids, self.settings.max_new_tokens, self.sampling,
-                                      turn_seed(self.settings.seed, conv.cid, conv.turns), self.stop_ids)
+        seed = turn_seed(self.settings.seed, conv.cid, conv.turns)
+        if self.closing is None:
+            request = self.decoder.submit(ids, self.settings.max_new_tokens, self.sampling, seed, self.stop_ids)
+        else:
+            request = self.decoder.submit(ids, self.settings.max_new_tokens, self.sampling, seed, self.stop_ids,
+                                          closing=self.closing)
         flying[request] = conv
         return None
 
@@ -158,6 +168,7 @@ class SelfDistiller:
             return self._end(conv, "target stopped at once")
         conv.out.append({"role": "assistant", "content": self.tokenizer.decode(answer)})
         conv.new_tokens += len(answer)
+        conv.features = request.features
         conv.cursor += 1
         conv.turns += 1
         return self._next_turn(conv, flying)
@@ -172,7 +183,7 @@ class SelfDistiller:
             return None
         if reason is not None:
             self.cut[reason] += 1
-        return Regenerated(conv.cid, conv.out, conv.new_tokens)
+        return Regenerated(conv.cid, conv.out, conv.new_tokens, conv.features)
 
 
 def to_sharegpt(cid: str, messages: list[dict]) -> dict:

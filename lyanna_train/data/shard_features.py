@@ -2,7 +2,7 @@
 
 The cache writer fills a shard batch after batch and writes it; ``data.features=hybrid``
 fills it from the training steps' own forward passes and writes it once its last sample
-is in. Both go through :class:`ShardFeatures`, so the rows are encoded
+is in; regeneration (:mod:`.distilled_output`) puts in what the decoder recorded. Both go through :class:`ShardFeatures`, so the rows are encoded
 (:mod:`.feature_dtype`) and summarised (the teacher's top-1 and logsumexp) in one place
 and a shard means the same thing whoever made it.
 """
@@ -60,6 +60,17 @@ class ShardFeatures:
                 start += b - a
         self.filled[list(rows)] = True
         return sum(b - a for a, b in spans)
+
+    def put(self, row: int, aux: torch.Tensor, last: torch.Tensor, top1: torch.Tensor, lse: torch.Tensor) -> None:
+        """Store sample ``row``'s features as another forward computed them (regeneration's
+        recording): aux [T, k·H], last [T, H], the full-vocabulary top-1 and logsumexp [T]."""
+        a, b = self.span(row)
+        store_rows(self.tensors, "aux", a, b, aux[: b - a])
+        store_rows(self.tensors, "last", a, b, last[: b - a])
+        if "teacher_top1" in self.tensors:
+            self.tensors["teacher_top1"][a:b] = top1[: b - a]
+            self.tensors["teacher_lse"][a:b] = lse[: b - a]
+        self.filled[row] = True
 
     @property
     def complete(self) -> bool:
