@@ -7,8 +7,10 @@ sizes, side by side in one run:
   self-distillation used to decode; a batch waits for its slowest row);
 * ``runtime``: ``data_tools/self_distill.py``'s way, the runtime's continuous batching with
   speculation (the ``--draft`` head, else prompt lookup), which is lossless;
-* ``features``: the teacher-forced feature pass over the regenerated conversations (what
-  the feature cache costs per token; regeneration cannot beat the target's forward).
+* at the runtime's best batch size, the features too: one pass (the decoder records them and
+  ``DistilledOutput`` writes the cache as it goes) against two (regenerate, then the feature
+  cache's teacher-forced build over the output: what the cache costs per token; regeneration
+  cannot beat the target's forward).
 
     python bench/regeneration.py --draft checkpoints/smollm2_135m-export --out bench/results/regen \\
         [--conversations 32] [--max-new-tokens 64] [--batch-size 1,4,8,16]
@@ -31,8 +33,11 @@ import torch
 from lyanna_train.data.chat_template import ChatRenderer
 from lyanna_train.data.conversations import Document
 from lyanna_train.data.corpus import Corpus, ReadNotes, iter_documents
-from lyanna_train.data.features import FeatureExtractor
-from lyanna_train.data.self_distill import GenerationSettings, SelfDistiller
+from lyanna_train.data.distilled_output import DistilledOutput
+from lyanna_train.data.feature_cache_writer import build_feature_cache
+from lyanna_train.data.samples import CorpusSamples
+from lyanna_train.data.self_distill import GenerationSettings, SelfDistiller, append_jsonl, to_sharegpt
+from lyanna_train.target.capture import default_layer_ids
 from lyanna_train.runtime.cpu.tuning import tune
 from lyanna_train.runtime.loading import load_models
 from lyanna_train.runtime.scheduling.scheduler import BatchDecoder
@@ -69,6 +74,45 @@ def by_generate(target, tokenizer, prompts: list[list[int]], stop_ids: list[int]
         for row in out[:, longest:].tolist():
             answers.append(row[:next((k for k, t in enumerate(row) if t in stop_ids), len(row))])
     return answers
+
+
+def one_pass_vs_two(target, tokenizer, draft, decode, cost, convs, args, batch: int) -> dict:
+    """The same conversations regenerated with their features, at ``batch``: in one pass
+    (the decoder records them, :class:`DistilledOutput`) against regeneration followed by
+    the feature cache's build over its output (the teacher-forced pass)."""
+    import shutil
+
+    layers = default_layer_ids(target.config.num_hidden_layers)
+    settings = GenerationSettings(max_new_tokens=args.max_new_tokens, batch_size=batch)
+    work = args.out / "passes"
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    begin = time.perf_counter()
+    distiller = SelfDistiller(BatchDecoder(target, draft, decode, batch, cost, layer_ids=layers), tokenizer, settings)
+    append_jsonl(work / "two.jsonl", [to_sharegpt(r.cid, r.messages) for r in distiller.regenerate(convs)])
+    regenerated = time.perf_counter() - begin
+    built = build_feature_cache(CorpusSamples(Corpus.resolve([str(work / "two.jsonl")]), tokenizer), target, tokenizer,
+                                work / "two-features", layer_ids=layers, progress=False, say=lambda *_: None)
+    two = time.perf_counter() - begin
+    begin = time.perf_counter()
+    decoder = BatchDecoder(target, draft, decode, batch, cost, layer_ids=layers, record_features=True)
+    distiller = SelfDistiller(decoder, tokenizer, settings, record_features=True)
+    output = DistilledOutput(work / "one.jsonl", work / "one-features", target, tokenizer, layers)
+    for r in distiller.regenerate(convs):
+        output.add(to_sharegpt(r.cid, r.messages), r.features)
+    output.close()
+    one = time.perf_counter() - begin
+    check = build_feature_cache(CorpusSamples(Corpus.resolve([str(work / "one.jsonl")]), tokenizer), target,
+                                tokenizer, work / "one-features", layer_ids=layers, progress=False, say=lambda *_: None)
+    result = {"batch_size": batch,
+              "two_pass": {"seconds": two, "regenerate_seconds": regenerated, "features_seconds": two - regenerated,
+                           "feature_tokens": built.tokens_computed, "feature_tokens_per_s": built.tokens_per_second},
+              "one_pass": {"seconds": one, "samples": output.stats.samples, "recomputed_samples": output.recomputed,
+                           "shards": len(output.plan), "left_for_the_trainer_to_compute": check.shards_written}}
+    print(f"batch {batch}: two passes {two:.1f} s (regenerate {regenerated:.1f} + features {two - regenerated:.1f}), "
+          f"one pass {one:.1f} s -> {two / one:.2f}x; {output.recomputed}/{output.stats.samples} samples re-tokenized "
+          f"otherwise; trainer's build over it computed {check.shards_written} shards", flush=True)
+    return result
 
 
 def main() -> int:
@@ -112,26 +156,24 @@ def main() -> int:
                                           "identical_to_generate": f"{same}/{len(convs)}"}
         print(f"batch {batch}: generate {results['generate'][str(batch)]['tokens_per_s']:.1f} tok/s, "
               f"runtime {tokens / seconds:.1f} tok/s ({same}/{len(convs)} answers identical)", flush=True)
-    sequences = [p + a for p, a in zip(prompts, reference)]
-    extractor = FeatureExtractor(target)
-    begin = time.perf_counter()
-    for seq in sequences:
-        extractor(torch.tensor([seq]))
-    seconds = time.perf_counter() - begin
-    feature_tps = sum(map(len, sequences)) / seconds
+    best_batch = int(max(results["runtime"].items(), key=lambda kv: kv[1]["tokens_per_s"])[0])
+    passes = one_pass_vs_two(target, tokenizer, draft, decode, cost, convs, args, best_batch)
+    feature_tps = passes["two_pass"]["feature_tokens_per_s"]
     best = {m: max(r.values(), key=lambda x: x["tokens_per_s"]) for m, r in results.items()}
     summary = {
         "command": "python bench/regeneration.py " + " ".join(
             f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if v is not None and k != "out"),
         "conversations": len(convs), "max_new_tokens": args.max_new_tokens, "batch_sizes": sizes,
-        "results": results, "feature_pass_tokens_per_s": feature_tps,
+        "results": results, "feature_pass_tokens_per_s": feature_tps, "passes": passes,
+        "one_pass_vs_two": passes["two_pass"]["seconds"] / passes["one_pass"]["seconds"],
         "runtime_vs_generate": best["runtime"]["tokens_per_s"] / best["generate"]["tokens_per_s"],
         "runtime_vs_feature_pass": best["runtime"]["tokens_per_s"] / feature_tps,
         "environment": {"cpu": platform.processor() or platform.machine(), "torch": torch.__version__,
                         "threads": torch.get_num_threads()},
     }
     print(f"best runtime / best generate: {summary['runtime_vs_generate']:.2f}x; "
-          f"best runtime / feature pass ({feature_tps:.0f} tok/s): {summary['runtime_vs_feature_pass']:.2f}x")
+          f"best runtime / feature pass ({feature_tps:.0f} tok/s): {summary['runtime_vs_feature_pass']:.2f}x; "
+          f"one pass (data and features) / two passes: {summary['one_pass_vs_two']:.2f}x faster")
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "regeneration.json").write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
     return 0

@@ -96,7 +96,17 @@ def _regeneration(data: dict) -> list[str]:
              f"generate {data['runtime_vs_generate']:.2f}x, / feature pass {data['runtime_vs_feature_pass']:.2f}x", ""]
     rows = [[method, batch, r["tokens"], r["tokens_per_s"], r.get("identical_to_generate")]
             for method, per_batch in data["results"].items() for batch, r in per_batch.items()]
-    return lines + _table(["method", "batch", "new tokens", "tok/s", "identical to generate"], rows)
+    lines += _table(["method", "batch", "new tokens", "tok/s", "identical to generate"], rows)
+    passes = data.get("passes")
+    if passes:
+        one, two = passes["one_pass"], passes["two_pass"]
+        lines += ["", f"Data and features at batch {passes['batch_size']}: two passes {two['seconds']:.1f} s "
+                      f"(regenerate {two['regenerate_seconds']:.1f} s + feature cache {two['features_seconds']:.1f} s), "
+                      f"one pass {one['seconds']:.1f} s: {data['one_pass_vs_two']:.2f}x; "
+                      f"{one['recomputed_samples']}/{one['samples']} samples re-tokenized otherwise (computed again); "
+                      f"the trainer's build over the one pass's output computed {one['left_for_the_trainer_to_compute']} "
+                      "shards"]
+    return lines
 
 
 def _render(path: Path) -> list[str] | None:
