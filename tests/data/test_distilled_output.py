@@ -129,3 +129,26 @@ def test_conversations_without_their_features_are_refused(tmp_path, word_target,
     with pytest.raises(LyannaError, match="holds no features of them"):
         DistilledOutput(jsonl, tmp_path / "features", word_target, smollm2_tokenizer, LAYERS, SETTINGS)
     assert jsonl.read_text().count("\n") == 1  # nothing lost
+
+
+def test_the_command_writes_the_conversations_and_their_cache(tmp_path, word_target, smollm2_tokenizer):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from ..conftest import write_jsonl
+
+    target = tmp_path / "target"
+    word_target.save_pretrained(target)
+    smollm2_tokenizer.save_pretrained(target)
+    corpus = write_jsonl(tmp_path / "c.jsonl", [{"messages": m} for _, m in CONVS])
+    script = Path(__file__).resolve().parents[2] / "data_tools" / "self_distill.py"
+    out, features = tmp_path / "regen.jsonl", tmp_path / "features"
+    done = subprocess.run([sys.executable, str(script), "--corpus", str(corpus), "--target", str(target), "--out",
+                           str(out), "--features", str(features), "--layers", "0", "--shard-tokens", "96",
+                           "--max-new-tokens", "5", "--max-turns", "2", "--batch-size", "3", "--threads", "1"],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    assert "wrote 9 conversations" in done.stdout and f"features: {features} (" in done.stdout
+    again = planned_build(word_target, smollm2_tokenizer, out, features)
+    assert again.shards_written == 0 and again.shards_total >= 3
