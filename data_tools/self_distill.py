@@ -29,6 +29,7 @@ from lyanna_train.atomic import check_apart
 from lyanna_train.cli.common import entry_point
 from lyanna_train.data.conversations import Document
 from lyanna_train.data.corpus import Corpus, ReadNotes, iter_documents
+from lyanna_train.data.feature_cache_writer import CacheSettings
 from lyanna_train.data.samples import refuse_evaluation_sets
 from lyanna_train.data.self_distill import (GenerationSettings, SelfDistiller, append_jsonl, check_output_path,
                                             done_ids, to_sharegpt)
@@ -52,13 +53,15 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--top-p", type=float, default=1.0)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    cached = CacheSettings()  # the cache's defaults, declared there
     cache = ap.add_argument_group("features in the same pass (lyanna-train data.corpus=[OUT] data.cache_dir=DIR)")
     cache.add_argument("--features", type=Path, metavar="DIR",
                        help="also write the target's features of every conversation, as a feature cache")
     cache.add_argument("--layers", help="capture layers, comma-separated (default: EAGLE-3's 1, L/2-1, L-4)")
-    cache.add_argument("--feature-dtype", choices=["bfloat16", "float8_e4m3fn"], default="bfloat16")
-    cache.add_argument("--max-length", type=int, default=2048, help="tokens per sample: the run's data.max_length")
-    cache.add_argument("--shard-tokens", type=int, default=32768, help="the run's data.shard_tokens")
+    cache.add_argument("--feature-dtype", choices=["bfloat16", "float8_e4m3fn"], default=cached.feature_dtype)
+    cache.add_argument("--max-length", type=int, default=cached.max_length, help="tokens per sample: the run's "
+                       "data.max_length")
+    cache.add_argument("--shard-tokens", type=int, default=cached.shard_tokens, help="the run's data.shard_tokens")
     args = ap.parse_args(argv)
     if args.limit is not None and args.limit < 1:
         raise LyannaError(f"--limit must be at least 1, got {args.limit}")
@@ -159,7 +162,6 @@ def _capture_layers(args, target, draft) -> list[int]:
 
 def _distilled_output(args, corpus: Corpus, target, tokenizer, layer_ids):
     from lyanna_train.data.distilled_output import DistilledOutput
-    from lyanna_train.data.feature_cache_writer import CacheSettings
 
     settings = CacheSettings(max_length=args.max_length, shard_tokens=args.shard_tokens,
                              feature_dtype=args.feature_dtype)

@@ -263,7 +263,8 @@ class BatchDecoder:
                 continue
             ids = request.prompt + request.tokens
             extra = unclosed(request.tokens, request.closing)
-            if len(ids) + len(extra) > (self.batch.max_positions or len(ids) + len(extra)):
+            limit = self.batch.max_positions
+            if limit is not None and len(ids) + len(extra) > limit:
                 extra = []  # the context is full: the answer stays unclosed
             if recorder.count(request) < len(ids) + len(extra):
                 # re-score from the answer's last token: the root of no verify yet, or (a request
