@@ -231,10 +231,3 @@ def validate(cfg, paths: bool = True) -> None:
 
     check_paths(cfg)
     refuse_evaluation_sets(Corpus.resolve([str(c) for c in cfg.data.corpus]))  # the data stage's own check, early
-
-
-def register() -> None:
-    """Register the schema with Hydra so YAML is type-checked against it."""
-    from hydra.core.config_store import ConfigStore
-
-    ConfigStore.instance().store(name="lyanna_schema", node=Config)
