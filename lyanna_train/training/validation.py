@@ -80,6 +80,7 @@ def one_of_names(names: Callable[[], tuple]) -> Rule:
 
 
 def feature_dtypes() -> tuple:
+    """The feature cache's storage dtypes (``data.feature_dtype``), named where they are encoded."""
     from ..data.feature_dtype import FEATURE_DTYPES
 
     return tuple(FEATURE_DTYPES)
@@ -92,7 +93,7 @@ def optional(rule: Rule) -> Rule:
 
 def off_or(rule: Rule, what: str) -> Rule:
     """0 turns ``what`` off; anything else must satisfy ``rule``."""
-    return Rule(lambda v: (_is_int(v) and v == 0) or rule.ok(v), f"0 ({what} off) or {rule.allowed}",
+    return Rule(lambda v: (_is_int(v) and v == 0) or rule.ok(v), lambda: f"0 ({what} off) or {rule.allowed}",
                 tuple(x for x in rule.outside if x != 0))
 
 
