@@ -1,4 +1,5 @@
-"""Where the shipped configs live: ``conf/`` (Hydra groups, decode presets) and ``recipes/``.
+"""Where the shipped configs live: ``conf/`` (Hydra groups, decode presets) and ``recipes/``,
+and how Hydra is told about them (:func:`register_configs`).
 
 They sit at the top of the checkout, where people read and edit them, and are linked
 into the package (``lyanna_train/conf``, ``lyanna_train/recipes``) so a wheel carries
@@ -30,3 +31,16 @@ def recipes_dir() -> Path:
 def decode_dir() -> Path:
     """Decoding presets (``--decode NAME``)."""
     return conf_dir() / "decode"
+
+
+def register_configs(schema) -> None:
+    """The typed schema (``training.config.Config``, handed in: this module stays a leaf) as
+    ``lyanna_schema``, which ``conf/config.yaml``'s defaults start from, and every
+    ``recipes/*.yaml`` as the ``recipe`` group (package _global_)."""
+    from hydra.core.config_store import ConfigStore
+    from omegaconf import OmegaConf
+
+    store = ConfigStore.instance()
+    store.store(name="lyanna_schema", node=schema)
+    for path in sorted(recipes_dir().glob("*.yaml")):
+        store.store(group="recipe", name=path.stem, node=OmegaConf.load(path), package="_global_")

@@ -43,11 +43,11 @@ def compose(overrides: list[str]):
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
-    from ..configs import conf_dir
+    from ..configs import conf_dir, register_configs
     from ..errors import LyannaError
-    from .train import register_configs
+    from ..training.config import Config
 
-    register_configs()
+    register_configs(Config)
     GlobalHydra.instance().clear()
     try:
         with initialize_config_dir(config_dir=str(conf_dir()), version_base=None):

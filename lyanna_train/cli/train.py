@@ -18,7 +18,7 @@ import contextlib
 import os
 import sys
 
-from ..configs import conf_dir, recipes_dir
+from ..configs import conf_dir, register_configs
 
 
 def take_local_rank(argv: list[str]) -> list[str]:
@@ -35,19 +35,6 @@ def take_local_rank(argv: list[str]) -> list[str]:
             out.append(arg)
         i += 1
     return out
-
-
-def register_configs() -> None:
-    """The typed schema and every recipes/*.yaml as the ``recipe`` group (package _global_)."""
-    from hydra.core.config_store import ConfigStore
-    from omegaconf import OmegaConf
-
-    from ..training.config import register
-
-    register()
-    store = ConfigStore.instance()
-    for path in sorted(recipes_dir().glob("*.yaml")):
-        store.store(group="recipe", name=path.stem, node=OmegaConf.load(path), package="_global_")
 
 
 def run(cfg) -> None:
@@ -110,7 +97,9 @@ def main() -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     sys.argv = [sys.argv[0], *take_local_rank(sys.argv[1:])]
     with claimed_early(sys.argv[1:]):
-        register_configs()
+        from ..training.config import Config
+
+        register_configs(Config)
         hydra.main(config_path=str(conf_dir()), config_name="config", version_base=None)(run)()
 
 

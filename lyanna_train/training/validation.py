@@ -1,27 +1,41 @@
-"""Every config value checked before any work, each against a stated allowed range.
+"""Every config value checked before any work, each against the range its field declares.
 
-One table, one row per field of :class:`~lyanna_train.training.config.Config`: a bad
-value stops the run in its first second with one line naming the field, the value and
-what is allowed — never a traceback an hour later, and never after a half-built
-artifact has been left in the run folder (``hotvocab.size=-5`` used to build a
-one-token hot vocabulary that broke every later run there). A test checks that every
-field has a row, so a new field cannot be added unchecked.
+Each field of :class:`~lyanna_train.training.config.Config` declares its default and its
+allowed range together, ``ranged(default, rule)``; :func:`rules` reads them off the
+dataclasses, so there is no second table to keep in step, and a field declared without a
+range is refused (:func:`rules` raises, and with it every run and a test). A bad value stops
+the run in its first second with one line naming the field, the value and what is allowed
+— never a traceback an hour later, and never after a half-built artifact has been left in
+the run folder (``hotvocab.size=-5`` used to build a one-token hot vocabulary that broke
+every later run there).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from ..data.feature_dtype import FEATURE_DTYPES
 from ..errors import LyannaError
 
 
 @dataclass(frozen=True)
 class Rule:
     ok: Callable[[Any], bool]
-    allowed: str  # what a reader is told is allowed
+    describe: str | Callable[[], str]  # what a reader is told is allowed (callable: known only when checked)
+    outside: tuple = ()  # values just outside the range: what the tests give each field to be refused
+
+    @property
+    def allowed(self) -> str:
+        return self.describe() if callable(self.describe) else self.describe
+
+
+def ranged(default, rule: Rule):
+    """A dataclass field declared once: its default and the range :func:`rules` checks it against."""
+    if isinstance(default, list):
+        return dataclasses.field(default_factory=lambda: list(default), metadata={"allowed": rule})
+    return dataclasses.field(default=default, metadata={"allowed": rule})
 
 
 def _is_int(v) -> bool:
@@ -34,7 +48,8 @@ def _is_number(v) -> bool:
 
 def integer(low: int, high: int | None = None) -> Rule:
     text = f"an integer >= {low}" if high is None else f"an integer in [{low}, {high}]"
-    return Rule(lambda v: _is_int(v) and v >= low and (high is None or v <= high), text)
+    outside = (low - 1, low + 0.5) + (() if high is None else (high + 1,))
+    return Rule(lambda v: _is_int(v) and v >= low and (high is None or v <= high), text, outside)
 
 
 def number(low: float, high: float | None = None, *, low_open: bool = False, high_open: bool = False) -> Rule:
@@ -46,23 +61,48 @@ def number(low: float, high: float | None = None, *, low_open: bool = False, hig
         return above and below
 
     left, right = "(" if low_open else "[", ")" if high_open or high is None else "]"
-    return Rule(ok, f"a finite number in {left}{low}, {'inf' if high is None else high}{right}")
+    outside = (low if low_open else low - 1, math.nan, math.inf)
+    outside += () if high is None else (high if high_open else high + 1,)
+    return Rule(ok, f"a finite number in {left}{low}, {'inf' if high is None else high}{right}", outside)
 
 
 def one_of(*values) -> Rule:
-    return Rule(lambda v: v in values, "one of " + ", ".join("null" if x is None else str(x) for x in values))
+    ints = all(_is_int(x) for x in values)
+    outside = (max(values) + 1, min(values) - 1) if ints else ("bogus",)
+    return Rule(lambda v: v in values, "one of " + ", ".join("null" if x is None else str(x) for x in values),
+                outside)
+
+
+def one_of_names(names: Callable[[], tuple]) -> Rule:
+    """:func:`one_of` names read when a value is checked, not when the schema is imported:
+    their module needs torch, which composing a config must not load."""
+    return Rule(lambda v: v in names(), lambda: "one of " + ", ".join(names()), ("bogus",))
+
+
+def feature_dtypes() -> tuple:
+    """The feature cache's storage dtypes (``data.feature_dtype``), named where they are encoded."""
+    from ..data.feature_dtype import FEATURE_DTYPES
+
+    return tuple(FEATURE_DTYPES)
 
 
 def optional(rule: Rule) -> Rule:
-    return Rule(lambda v: v is None or rule.ok(v), f"null or {rule.allowed}")
+    return Rule(lambda v: v is None or rule.ok(v), lambda: f"null or {rule.allowed}",
+                tuple(x for x in rule.outside if x is not None))
+
+
+def off_or(rule: Rule, what: str) -> Rule:
+    """0 turns ``what`` off; anything else must satisfy ``rule``."""
+    return Rule(lambda v: (_is_int(v) and v == 0) or rule.ok(v), lambda: f"0 ({what} off) or {rule.allowed}",
+                tuple(x for x in rule.outside if x != 0))
 
 
 def flag() -> Rule:
-    return Rule(lambda v: isinstance(v, bool), "true or false")
+    return Rule(lambda v: isinstance(v, bool), "true or false", ("true", 1))
 
 
 def text() -> Rule:
-    return Rule(lambda v: isinstance(v, str) and v.strip() != "", "a non-empty string")
+    return Rule(lambda v: isinstance(v, str) and v.strip() != "", "a non-empty string", ("", " ", 1))
 
 
 def _as_list(v) -> list | None:
@@ -76,107 +116,43 @@ def layer_list() -> Rule:
     def ok(v) -> bool:
         items = _as_list(v)
         return bool(items) and all(_is_int(x) and x >= 0 for x in items) and len(set(items)) == len(items)
-    return Rule(ok, "a non-empty list of distinct layer indices >= 0")
+    return Rule(ok, "a non-empty list of distinct layer indices >= 0", ([], [1, 1], [-1], "0"))
 
 
 def corpus_list() -> Rule:
     def ok(v) -> bool:
         items = _as_list(v)
         return bool(items) and all(isinstance(x, str) and x.strip() for x in items)
-    return Rule(ok, "a non-empty list of corpus paths or names")
+    return Rule(ok, "a non-empty list of corpus paths or names", ([], [""], "sharegpt"))
 
 
-def betas() -> Rule:
+def beta_pair() -> Rule:
     def ok(v) -> bool:
         items = _as_list(v)
         return items is not None and len(items) == 2 and all(_is_number(b) and 0 <= b < 1 for b in items)
-    return Rule(ok, "two numbers in [0, 1)")
+    return Rule(ok, "two numbers in [0, 1)", ([0.9], [0.9, 1.0], [-0.1, 0.9], 0.9))
 
 
-def resume() -> Rule:
+def resume_spec() -> Rule:
     return Rule(lambda v: isinstance(v, str) and v.strip() != "",
-                "auto, never, force or the path of a step-NNNNNNNN checkpoint")
+                "auto, never, force or the path of a step-NNNNNNNN checkpoint", ("", None))
 
 
-RULES: dict[str, Rule] = {
-    "run_name": text(),
-    "target.name": text(),
-    "target.dtype": one_of("auto", "float32", "bfloat16", "float16"),
-    "target.aux_layers": optional(layer_list()),
-    "draft.hidden_size": optional(integer(1)),
-    "draft.intermediate_size": optional(integer(1)),
-    "draft.num_attention_heads": optional(integer(1)),
-    "draft.num_key_value_heads": optional(integer(1)),
-    "draft.head_dim": optional(integer(1)),
-    "draft.pool_size": Rule(lambda v: _is_int(v) and (v == 0 or v >= 128), "0 (pool off) or an integer >= 128"),
-    "draft.pool_threshold": number(-1, 1),
-    "draft.alpha_max": number(0, 1),
-    "draft.gate_hidden": integer(1),
-    "draft.target_init.lm_head": flag(),
-    "draft.target_init.layer": optional(integer(0)),
-    "draft.target_init.fc": one_of("random", "top_layer"),
-    "draft.freeze_lm_head": flag(),
-    "draft.norm_before_residual": flag(),
-    "draft.aux_scale": flag(),
-    "draft.init_from": optional(text()),
-    "draft.init_vocab": one_of("keep", "rebuild"),
-    "hotvocab.path": optional(text()),
-    "hotvocab.ratio": number(0, 1, low_open=True),
-    "hotvocab.size": optional(integer(1)),
-    "hotvocab.full_vocab": flag(),
-    "data.corpus": corpus_list(),
-    "data.max_length": integer(2),
-    "data.max_samples": optional(integer(1)),
-    "data.features": one_of("cached", "online", "hybrid"),
-    "data.feature_dtype": one_of(*FEATURE_DTYPES),
-    "data.cache_dir": optional(text()),
-    "data.batch_tokens": integer(2),
-    "data.shard_tokens": integer(1),
-    "data.teacher_summary": flag(),
-    "data.max_tokens": optional(integer(1)),
-    "loss.ttt_steps": integer(1),
-    "loss.step_weight": number(0, 1, low_open=True),
-    "loss.out_of_vocab": one_of("mask", "other"),
-    "loss.hidden_weight": number(0),
-    "loss.tv_weight": number(0),
-    "loss.positions": one_of("assistant", "all"),
-    "loss.feature_noise": number(0),
-    "train.out_dir": text(),
-    "train.epochs": integer(1),
-    "train.max_steps": optional(integer(1)),
-    "train.lr": number(0, 1, low_open=True),
-    "train.min_lr_ratio": number(0, 1),
-    "train.warmup_steps": integer(0),
-    "train.weight_decay": number(0),
-    "train.grad_clip": number(0),
-    "train.grad_accum": integer(1),
-    "train.seed": integer(0, 2**32 - 1),
-    "train.log_every": integer(1),
-    "train.save_every": integer(0),
-    "train.keep_last": integer(0),
-    "train.resume": resume(),
-    "train.threads": optional(integer(1)),
-    "train.time_budget_min": optional(number(0, low_open=True)),
-    "train.autocast": one_of(None, "auto", "bfloat16", "float16"),
-    "deepspeed.zero_stage": one_of(0, 1, 2),
-    "deepspeed.precision": one_of("auto", "fp32", "bf16"),
-    "deepspeed.backend": one_of("auto", "gloo", "nccl"),
-    "deepspeed.betas": betas(),
-    "deepspeed.eps": number(0, low_open=True),
-    "tracking.wandb.enabled": flag(),
-    "tracking.wandb.project": text(),
-    "tracking.wandb.entity": optional(text()),
-    "tracking.wandb.mode": one_of("auto", "online", "offline"),
-    "tracking.metrics_jsonl": flag(),
-    "eval.every": integer(0),
-    "eval.prompts": text(),
-    "eval.num_prompts": integer(0),
-    "eval.depth": integer(1),
-    "eval.max_new_tokens": integer(1),
-    "eval.heldout_samples": integer(0),
-    "eval.heldout_from": optional(integer(0)),
-    "eval.agreement_steps": integer(1),
-}
+def rules(schema) -> dict[str, Rule]:
+    """Every leaf field of the dataclass ``schema``, dotted (``train.lr``), with its declared
+    rule, in declaration order; a nested dataclass field is walked, not checked itself.
+    Raises TypeError naming a field declared without a range."""
+    out = {}
+    for f in dataclasses.fields(schema):
+        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+        if dataclasses.is_dataclass(default):
+            out.update({f"{f.name}.{k}": rule for k, rule in rules(type(default)).items()})
+        elif "allowed" in f.metadata:
+            out[f.name] = f.metadata["allowed"]
+        else:
+            raise TypeError(f"{schema.__name__}.{f.name} declares no allowed range "
+                            "(declare it with ranged(default, rule))")
+    return out
 
 
 def lookup(cfg, dotted: str):
@@ -191,9 +167,10 @@ def _shown(value) -> str:
     return repr(items if items is not None else value)
 
 
-def check_values(cfg) -> None:
-    """Raise :class:`LyannaError` for the first field outside its allowed range."""
-    for dotted, rule in RULES.items():
+def check_values(cfg, schema) -> None:
+    """Raise :class:`LyannaError` for the first field of ``cfg`` outside the range its
+    declaration in the dataclass ``schema`` allows."""
+    for dotted, rule in rules(schema).items():
         value = lookup(cfg, dotted)
         if not rule.ok(value):
             raise LyannaError(f"config: {dotted} = {_shown(value)} is not allowed (allowed: {rule.allowed})")
@@ -223,4 +200,4 @@ def check_paths(cfg) -> None:
         raise LyannaError(f"config: draft.init_from = {cfg.draft.init_from!r} is not an export directory")
     if cfg.train.resume not in ("auto", "never", "force") and not Path(cfg.train.resume).is_dir():
         raise LyannaError(f"config: train.resume = {cfg.train.resume!r} is not allowed "
-                          f"(allowed: {RULES['train.resume'].allowed}; that path does not exist)")
+                          f"(allowed: {resume_spec().allowed}; that path does not exist)")

@@ -8,9 +8,9 @@ import re
 import pytest
 
 from lyanna_train.errors import LyannaError
-from lyanna_train.training.config import Config
+from lyanna_train.training.config import Config, TrainConf
 from lyanna_train.training.loop import train
-from lyanna_train.training.validation import RULES
+from lyanna_train.training.validation import check_values, integer, ranged, rules
 
 from .conftest import compose, tiny_overrides
 
@@ -26,7 +26,67 @@ def _leaves(cls, prefix: str = "") -> list[str]:
 
 
 def test_every_config_field_has_an_allowed_range():
-    assert sorted(_leaves(Config)) == sorted(RULES)
+    assert sorted(_leaves(Config)) == sorted(rules(Config))
+
+
+def test_a_field_added_without_a_range_is_refused():
+    @dataclasses.dataclass
+    class Ranged(TrainConf):
+        new_knob: int = ranged(3, integer(1))
+
+    @dataclasses.dataclass
+    class Unranged(TrainConf):
+        new_knob: int = 3  # no range: what a hurried change would add
+
+    def schema(train_conf):
+        return dataclasses.make_dataclass("Schema", [("train", train_conf, dataclasses.field(default_factory=train_conf))])
+
+    assert "train.new_knob" in rules(schema(Ranged))
+    with pytest.raises(TypeError, match=r"Unranged\.new_knob declares no allowed range"):
+        rules(schema(Unranged))
+
+
+def _default(dotted: str):
+    node = Config()
+    for part in dotted.split("."):
+        node = getattr(node, part)
+    return node
+
+
+def _with(dotted: str, value) -> Config:
+    cfg = Config()
+    *path, last = dotted.split(".")
+    node = cfg
+    for part in path:
+        node = getattr(node, part)
+    setattr(node, last, value)
+    return cfg
+
+
+@pytest.mark.parametrize("dotted", _leaves(Config))
+def test_each_field_is_checked_against_its_declared_range(dotted):
+    """Every field's own range, from its declaration: its default is allowed, and each value
+    just outside the range is refused with one line naming the field, the value and the range."""
+    rule = rules(Config)[dotted]
+    assert rule.ok(_default(dotted)), f"{dotted}: its default {_default(dotted)!r} is outside its range"
+    assert rule.outside, f"{dotted}: its rule names no value outside the range"
+    for value in rule.outside:
+        with pytest.raises(LyannaError) as err:
+            check_values(_with(dotted, value), Config)
+        message = str(err.value)
+        assert message.startswith(f"config: {dotted} = ") and message.endswith(f"(allowed: {rule.allowed})"), message
+        assert "\n" not in message and "is not allowed" in message
+
+
+def test_the_schema_loads_without_torch():
+    """Composing a config (lyanna-train's one-second refusals) must not wait for torch: the
+    ranges whose names live beside torch code are read only when a value is checked."""
+    import subprocess
+    import sys
+
+    code = ("import sys, lyanna_train.training.config as c, lyanna_train.training.validation as v; "
+            "v.rules(c.Config); print('torch' in sys.modules)")
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip() == "False"
 
 
 @pytest.mark.parametrize("override,shown,allowed", [
