@@ -28,12 +28,13 @@ class StreamSlice:
         return itertools.islice(iter(self.samples), self.start, self.start + self.count)
 
 
-def heldout_start(cfg, samples, say=print) -> int | None:
-    """Where the held-out samples start in the stream, or None when nothing is held out
-    (switched off, the whole corpus is trained on, or the corpus ends before that point)."""
+def heldout_start(cfg, samples, trained: int | None, say=print) -> int | None:
+    """Where the held-out samples start in the stream (by default after the ``trained`` first
+    ones), or None when nothing is held out (switched off, the whole corpus is trained on, or
+    the corpus ends before that point)."""
     if cfg.eval.heldout_samples <= 0:
         return None
-    start = cfg.eval.heldout_from if cfg.eval.heldout_from is not None else cfg.data.max_samples
+    start = cfg.eval.heldout_from if cfg.eval.heldout_from is not None else trained
     if start is None:
         say("no held-out agreement: data.max_samples is null (every sample trains); set eval.heldout_from")
         return None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import itertools
 import random
 import time
 from pathlib import Path
@@ -14,10 +15,11 @@ from ..errors import LyannaError
 from . import checkpoint as ckpt
 from . import run_folder
 from .batches import CachedBatches, OnlineBatches, cache_lengths, first_tokens, plan_epoch
+from .budget import sample_count
 from .config import validate
 from .engine import Engine, init_distributed
 from .heldout import AgreementSets, heldout_start
-from .setup import build_parts, cache_spec, feature_cache, online_samples, training_samples
+from .setup import build_parts, cache_spec, feature_cache, training_samples
 from .step import distill_loss, step_autocast
 from .tracking import Tracker
 
@@ -132,35 +134,29 @@ def _train(cfg, config_dict, claimed, out_dir: Path, rank: int, world: int, say,
     agreement = None
     fingerprints = {"target": {"name": cfg.target.name, "fingerprint": target_fingerprint(parts.target)},
                     "tokenizer": {"fingerprint": tokenizer_fingerprint(parts.tokenizer)}}
-    if cfg.train.time_budget_min:
-        from omegaconf import read_write
-
-        from .budget import budgeted_samples
-
-        with read_write(cfg):
-            cfg.data.max_samples = budgeted_samples(cfg, parts, training_samples(cfg, parts.tokenizer), out_dir,
-                                                    rank, say, started)
+    samples = training_samples(cfg, parts.tokenizer)  # built once; the time budget cuts its count, not cfg
+    max_samples = sample_count(cfg, parts, samples, out_dir, rank, say, started)
     if cfg.data.features in ("cached", "hybrid"):
-        samples = training_samples(cfg, parts.tokenizer)
         if cfg.data.features == "cached":
-            cache = feature_cache(cfg, samples, parts.target, parts.tokenizer, parts.layer_ids, out_dir, rank, world)
+            cache = feature_cache(cfg, samples, parts.target, parts.tokenizer, parts.layer_ids, out_dir, rank, world,
+                                  max_samples)
             all_lengths, source = cache_lengths(cache), CachedBatches(cache)
         else:
             from .hybrid import hybrid_batches
 
-            source = hybrid_batches(cache_spec(cfg, samples, out_dir), parts.target, parts.tokenizer, parts.layer_ids,
-                                    held, say)
+            source = hybrid_batches(cache_spec(cfg, samples, out_dir, max_samples), parts.target, parts.tokenizer,
+                                    parts.layer_ids, held, say)
             cache, all_lengths = source, source.lengths
         lengths = first_tokens(all_lengths, cfg.data.max_tokens)
-        start = heldout_start(cfg, samples, say)
+        start = heldout_start(cfg, samples, max_samples, say)
         if start is not None:
             heldout = feature_cache(cfg, samples, parts.target, parts.tokenizer, parts.layer_ids, out_dir, rank, world,
-                                    heldout_from=start)
+                                    max_samples, heldout_from=start)
             agreement = AgreementSets.over(heldout, cache, all_lengths, cfg.data.batch_tokens)
     else:
         from ..data.features import FeatureExtractor
 
-        samples = online_samples(cfg, parts.tokenizer)
+        samples = list(itertools.islice(samples, max_samples))
         lengths = [[len(s) for s in samples]]
         source = OnlineBatches(samples, FeatureExtractor(parts.target, parts.layer_ids), parts.tokenizer.pad_token_id or 0)
     accum = cfg.train.grad_accum
@@ -201,6 +197,7 @@ def _train(cfg, config_dict, claimed, out_dir: Path, rank: int, world: int, say,
     say(f"training: {total} steps ({per_epoch} per epoch) on {world} rank(s), draft vocabulary {len(parts.hot_ids)}, "
         f"{sum(p.numel() for p in parts.draft.parameters() if p.requires_grad):,} trainable parameters")
     resolved = run_folder.resolved(cfg)
+    resolved["data"]["max_samples"] = max_samples  # run.json says what was trained: the count the budget allowed
 
     def save() -> None:
         rngs = [None] * world
