@@ -4,24 +4,22 @@ interval) and the progress record a checkpoint carries."""
 from __future__ import annotations
 
 import dataclasses
-from types import SimpleNamespace
 
 import pytest
 import torch
 
-from lyanna_train.training.engine import Engine
 from lyanna_train.training.loop import MetricWindow, Progress
 
 
 class _Ranks:
-    """``world_size`` ranks that all hold the same values: their mean is one rank's (Engine.mean's
-    arithmetic, without DeepSpeed)."""
+    """``world_size`` ranks that all hold the same values: their mean over ranks is one rank's
+    (the engine's ``mean`` without DeepSpeed)."""
 
     def __init__(self, world_size: int):
         self.world_size = world_size
 
     def mean(self, values: dict) -> dict:
-        return Engine.mean(SimpleNamespace(world_size=1), values)
+        return {k: float(v) for k, v in values.items()}
 
 
 def test_the_window_sums_on_the_device_and_reads_means_once():
