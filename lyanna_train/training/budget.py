@@ -156,6 +156,15 @@ def within_budget(cfg, parts, samples, say, started: float | None = None) -> int
     return result.samples
 
 
+def sample_count(cfg, parts, samples, out_dir: Path, rank: int, say, started: float | None = None) -> int | None:
+    """How many samples the run trains on: ``data.max_samples`` (None: all of them), cut to what
+    ``train.time_budget_min`` allows when it is set (:func:`budgeted_samples`). The config is
+    left as it is: the count is passed on."""
+    if not cfg.train.time_budget_min:
+        return cfg.data.max_samples
+    return budgeted_samples(cfg, parts, samples, out_dir, rank, say, started)
+
+
 def budgeted_samples(cfg, parts, samples, out_dir: Path, rank: int, say, started: float | None = None) -> int:
     """The run's sample count under its time budget, decided once per run folder.
 

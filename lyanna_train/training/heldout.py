@@ -1,4 +1,5 @@
-"""Held-out samples and the agreement figures measured on them during training.
+"""Held-out samples and the agreement figures measured on them during training, and the
+head's evaluation (:func:`head_metrics`: those figures and τ under chain drafting).
 
 The training accuracy the loop logs is a running average over batches the head is
 fitting, so it flatters the head. The samples that follow the training range in the
@@ -28,12 +29,13 @@ class StreamSlice:
         return itertools.islice(iter(self.samples), self.start, self.start + self.count)
 
 
-def heldout_start(cfg, samples, say=print) -> int | None:
-    """Where the held-out samples start in the stream, or None when nothing is held out
-    (switched off, the whole corpus is trained on, or the corpus ends before that point)."""
+def heldout_start(cfg, samples, trained: int | None, say=print) -> int | None:
+    """Where the held-out samples start in the stream (by default after the ``trained`` first
+    ones), or None when nothing is held out (switched off, the whole corpus is trained on, or
+    the corpus ends before that point)."""
     if cfg.eval.heldout_samples <= 0:
         return None
-    start = cfg.eval.heldout_from if cfg.eval.heldout_from is not None else cfg.data.max_samples
+    start = cfg.eval.heldout_from if cfg.eval.heldout_from is not None else trained
     if start is None:
         say("no held-out agreement: data.max_samples is null (every sample trains); set eval.heldout_from")
         return None
@@ -90,3 +92,25 @@ class AgreementSets:
         out["eval/heldout_in_hot"] = held["in_hot"]
         out["eval/heldout_positions"] = held["positions"]
         return out
+
+
+def head_metrics(cfg, parts, draft, agreement=None) -> dict:
+    """Mean acceptance length τ of the current head under chain drafting (the runtime's code),
+    and its teacher-forced top-1 agreement on held-out and training samples."""
+    from ..evaluation.acceptance import mean_acceptance
+
+    out = {}
+    if agreement is not None:
+        out.update(agreement.metrics(draft, cfg.eval.agreement_steps))
+    if not parts.eval_prompts:
+        return out
+    draft.eval()
+    try:
+        result = mean_acceptance(parts.target, draft, parts.eval_prompts, depth=cfg.eval.depth,
+                                 max_new_tokens=cfg.eval.max_new_tokens)
+    finally:
+        draft.train()
+    out.update({f"eval/{k}": v for k, v in result.items() if isinstance(v, (int, float))})
+    for depth, rate in enumerate(result.get("accept_rate", []), start=1):  # acceptance by depth
+        out[f"eval/accept_rate_d{depth}"] = rate
+    return out

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from ..data.corpus import Corpus
-from ..data.samples import CorpusSamples, SampleSettings, iter_samples
+from ..data.samples import CorpusSamples, SampleSettings
 from ..errors import LyannaError
 from ..hotvocab.artifact import load_hot_vocab, read_manifest
 from ..hotvocab.selection import size_for_ratio
@@ -83,15 +83,17 @@ class CacheSpec:
     source: dict
 
 
-def cache_spec(cfg, samples: CorpusSamples, out_dir: Path, heldout_from: int | None = None) -> CacheSpec:
-    """The run's cache (or, with ``heldout_from``, the held-out one beside it); a cache already
-    there with other features than ``data.feature_dtype`` is refused in one line."""
+def cache_spec(cfg, samples: CorpusSamples, out_dir: Path, max_samples: int | None,
+               heldout_from: int | None = None) -> CacheSpec:
+    """The run's cache over the first ``max_samples`` samples (or, with ``heldout_from``, the
+    held-out one beside it); a cache already there with other features than
+    ``data.feature_dtype`` is refused in one line."""
     from ..data.feature_cache import read_manifest
     from ..data.feature_cache_writer import CacheSettings
     from .heldout import StreamSlice
 
     root = Path(cfg.data.cache_dir) if cfg.data.cache_dir else out_dir / "features"
-    max_samples, source = cfg.data.max_samples, {"corpus": list(cfg.data.corpus)}
+    source = {"corpus": list(cfg.data.corpus)}
     if heldout_from is not None:
         root = root.with_name(root.name + "-heldout")
         samples, max_samples = StreamSlice(samples, heldout_from, cfg.eval.heldout_samples), None
@@ -108,13 +110,13 @@ def cache_spec(cfg, samples: CorpusSamples, out_dir: Path, heldout_from: int | N
 
 
 def feature_cache(cfg, samples: CorpusSamples, target, tokenizer, layer_ids, out_dir: Path, rank: int, world: int,
-                  heldout_from: int | None = None):
-    """The run's feature cache (or, with ``heldout_from``, the held-out one beside it):
-    each rank builds its shards, then everyone opens the whole."""
+                  max_samples: int | None, heldout_from: int | None = None):
+    """The run's feature cache over the first ``max_samples`` samples (or, with ``heldout_from``,
+    the held-out one beside it): each rank builds its shards, then everyone opens the whole."""
     from ..data.feature_cache import FeatureCache
     from ..data.feature_cache_writer import build_feature_cache
 
-    spec = cache_spec(cfg, samples, out_dir, heldout_from)
+    spec = cache_spec(cfg, samples, out_dir, max_samples, heldout_from)
     build_feature_cache(spec.samples, target, tokenizer, spec.root, layer_ids=layer_ids, settings=spec.settings,
                         shard=(rank, world), max_samples=spec.max_samples, source=spec.source,
                         progress=rank == 0, say=print if rank == 0 else (lambda *_: None))
@@ -185,14 +187,6 @@ def parts_from_export(cfg, tokenizer, target, out_dir: Path, is_main: bool) -> R
 
 
 def training_samples(cfg, tokenizer) -> CorpusSamples:
+    """The corpus as samples (re-iterable; a run builds it once and cuts it to its sample count)."""
     corpus = Corpus.resolve(list(cfg.data.corpus))
     return CorpusSamples(corpus, tokenizer, SampleSettings(max_length=cfg.data.max_length))
-
-
-def online_samples(cfg, tokenizer) -> list:
-    samples = []
-    for s in iter_samples(Corpus.resolve(list(cfg.data.corpus)), tokenizer, SampleSettings(max_length=cfg.data.max_length)):
-        samples.append(s)
-        if cfg.data.max_samples and len(samples) >= cfg.data.max_samples:
-            break
-    return samples

@@ -78,13 +78,26 @@ def test_a_budgeted_run_trains_on_what_fits(tmp_path, tiny_target_dir, tiny_corp
     out = tmp_path / "run"
     # 75 s minus 45 s of fixed costs and the set-up so far (a few seconds) leaves ~25 s; a sample
     # costs its ~128 tokens x 0.016 s: ~12 of the tiny corpus's ~25 samples
-    result = train(_cfg(tmp_path, tiny_target_dir, tiny_corpus, "train.time_budget_min=1.25", "data.max_samples=400",
-                        "train.epochs=3", "eval.num_prompts=0", "eval.heldout_samples=0"))
+    cfg = _cfg(tmp_path, tiny_target_dir, tiny_corpus, "train.time_budget_min=1.25", "data.max_samples=400",
+               "train.epochs=3", "eval.num_prompts=0", "eval.heldout_samples=0")
+    result = train(cfg)
     samples = json.loads((out / "budget.json").read_text())["samples"]
     assert 3 <= samples <= 15  # of the tiny corpus's ~25
     manifest = json.loads((out / "features" / "manifest.json").read_text())
     assert manifest["totals"]["samples"] == samples  # the features cover exactly the samples that fit
     assert result["step"] >= 1
+    assert cfg.data.max_samples == 400  # the count was passed on, the config left as it was
+    record = json.loads((out / "checkpoints" / f"step-{result['step']:08d}" / "run.json").read_text())
+    assert record["config"]["data"]["max_samples"] == samples  # run.json says what was trained
+
+
+def test_the_sample_count_is_returned_and_the_config_left_alone(tmp_path, tiny_target_dir, tiny_corpus, monkeypatch):
+    plain = _cfg(tmp_path, tiny_target_dir, tiny_corpus, "data.max_samples=50")
+    assert budget.sample_count(plain, None, None, tmp_path, 0, print) == 50  # no budget: the configured count
+    budgeted = _cfg(tmp_path, tiny_target_dir, tiny_corpus, "train.time_budget_min=10", "data.max_samples=50")
+    monkeypatch.setattr(budget, "within_budget", lambda *a, **k: 7)
+    assert budget.sample_count(budgeted, None, [], tmp_path, 0, print) == 7
+    assert budgeted.data.max_samples == 50
 
 
 def test_auto_precision_follows_the_machine(tmp_path, tiny_target_dir, tiny_corpus):
