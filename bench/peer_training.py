@@ -113,7 +113,7 @@ def main() -> None:
     from lyanna_train.evaluation.prompts import read_questions, render_prompt
     from lyanna_train.target.loading import load_tokenizer
     from lyanna_train.target.model import load_target_model
-    from lyanna_train.training.checkpoint import latest_checkpoint
+    from lyanna_train.run_record import latest_checkpoint
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--run", type=Path, required=True, help="a finished lyanna-train run directory")

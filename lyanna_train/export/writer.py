@@ -25,7 +25,7 @@ from ..atomic import atomic_directory, check_output_dir
 from ..errors import LyannaError
 from ..locks import output_lock
 from ..models.config import DraftConfig
-from ..training.checkpoint import RUN_RECORD, read_run_record
+from ..run_record import RUN_RECORD, latest_checkpoint, read_run_record
 from . import engines
 from . import formats as F
 from .integrity import check_finite, digests
@@ -36,8 +36,6 @@ DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch
 
 def resolve_checkpoint(path: str | Path) -> Path:
     """A checkpoint directory itself, or the latest complete checkpoint of a run (or checkpoints) directory."""
-    from ..training.checkpoint import latest_checkpoint
-
     path = Path(path)
     if not path.is_dir():
         raise LyannaError(f"checkpoint or run directory not found: {path}")

@@ -16,8 +16,9 @@ from lyanna_train.export.writer import export_checkpoint
 from lyanna_train.hotvocab.artifact import load_hot_vocab
 from lyanna_train.models.config import DraftConfig
 from lyanna_train.models.draft_head import DraftHead
+from lyanna_train.run_record import write_run_record
 from lyanna_train.target.model import target_fingerprint
-from lyanna_train.training.checkpoint import write_draft_weights, write_run_record
+from lyanna_train.training.checkpoint import write_draft_weights
 
 V, H, LAYER_IDS = 256, 64, (0, 1, 2)
 EAGLE3_TENSORS = {

@@ -33,7 +33,7 @@ def _checkpoints(out) -> list[str]:
 
 def _last_step(out) -> int:
     """The step of the latest complete checkpoint (0: none yet)."""
-    from lyanna_train.training.checkpoint import latest_checkpoint
+    from lyanna_train.run_record import latest_checkpoint
 
     latest = latest_checkpoint(out / "checkpoints")
     return int(latest.name.split("-")[1]) if latest is not None else 0
