@@ -71,7 +71,7 @@ def cache_bytes_per_token(root: Path) -> float:
 def heldout_on(run_dir: Path, heldout_root: Path, parts: dict) -> dict:
     """Held-out top-1 agreement of the run's final head on the features of ``heldout_root``."""
     from lyanna_train.data.feature_cache import FeatureCache
-    from lyanna_train.export.loader import load_exported
+    from lyanna_train.export.reader import load_exported
     from lyanna_train.export.writer import export_checkpoint
     from lyanna_train.training.heldout import AgreementSets
 
@@ -155,7 +155,7 @@ def main() -> None:
         import torch
         from omegaconf import OmegaConf
 
-        from lyanna_train.target.loading import load_tokenizer
+        from lyanna_train.target.source import load_tokenizer
         from lyanna_train.target.model import load_target_model
 
         cfg = OmegaConf.load(out / f"{runs[0][0]}-s{runs[0][1]}" / "config.yaml")

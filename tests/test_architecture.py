@@ -30,10 +30,10 @@ ALLOWED: dict[str, set[str]] = {
     "hotvocab": BASE | {"target", "data"},
     "models": BASE,
     "losses": BASE,
-    # serving: the draft, the target's hooks and the export loader; never training code
+    # serving: the draft, the target's hooks and the export reader; never training code
     "runtime": BASE | {"models", "target", "export"},
     "evaluation": BASE | {"runtime", "models", "target"},
-    # the HTTP server: the runtime, prompt rendering and the export loader; never training code
+    # the HTTP server: the runtime, prompt rendering and the export reader; never training code
     "serving": BASE | {"runtime", "evaluation", "models", "target", "export"},
     "export": BASE | {"models", "target", "hotvocab"},
     "training": BASE | {"target", "data", "hotvocab", "models", "losses", "evaluation", "export"},
@@ -42,16 +42,16 @@ ALLOWED: dict[str, set[str]] = {
 }
 # Module-level exceptions to an edge above: (importing module, imported area) -> allowed modules.
 NARROW = {
-    ("runtime", "export"): {"export.loader"},  # serving reads exports, never the writer (which reads checkpoints)
-    ("serving", "export"): {"export.loader"},
-    ("training", "export"): {"export.loader"},  # fine-tuning starts from an exported head
+    ("runtime", "export"): {"export.reader"},  # serving reads exports, never the writer (which reads checkpoints)
+    ("serving", "export"): {"export.reader"},
+    ("training", "export"): {"export.reader"},  # fine-tuning starts from an exported head
 }
 # Edges that must not come back, between areas or between modules inside one (the tables above
 # only govern areas): (importing module or area, imported module or area) -> where what it came
 # for lives instead, or why not. An area named here must not be in ALLOWED either.
 FORBIDDEN = {
     ("cli.plan", "cli.train"): "use configs.register_configs (cli.train imports cli.plan: no circle)",
-    ("export", "training"): "use run_record (checkpoint names, run.json); training imports export.loader",
+    ("export", "training"): "use run_record (checkpoint names, run.json); training imports export.reader",
     ("runtime", "training"): "serving runs on torch + transformers alone, never the trainer",
     ("serving", "training"): "serving runs on torch + transformers alone, never the trainer",
     ("evaluation", "training"): "the benchmarks measure exports; training evaluates through evaluation, not back",
@@ -121,7 +121,7 @@ def test_no_forbidden_edge():
 
 def test_the_table_has_no_cycles_between_areas():
     """Edges point one way. A NARROW edge counts as the edges of the modules it allows
-    (``training -> export`` is only ``export.loader``)."""
+    (``training -> export`` is only ``export.reader``)."""
     graph = {a: {b for b in deps if b in ALLOWED and b != a} for a, deps in ALLOWED.items()}
     for (area, target), modules in NARROW.items():
         graph[area].discard(target)
@@ -185,9 +185,9 @@ def test_import_is_cheap_and_needs_no_accelerator_stack():
 
 
 def test_serving_never_loads_training_code():
-    """What lyanna-generate and lyanna-serve import (the runtime, its loader, evaluation's prompts, the
+    """What lyanna-generate and lyanna-serve import (the runtime, its served models, evaluation's prompts, the
     HTTP server) pulls in no trainer."""
-    code = ("import sys, lyanna_train.runtime.loading, lyanna_train.runtime.scheduling.scheduler, lyanna_train.evaluation.benchmark, "
+    code = ("import sys, lyanna_train.runtime.served_models, lyanna_train.runtime.scheduling.scheduler, lyanna_train.evaluation.benchmark, "
             "lyanna_train.serving.server, lyanna_train.cli.serve; "
             "print(sorted(m for m in sys.modules if m.startswith('lyanna_train.training') or m.split('.')[0] in "
             "('deepspeed', 'wandb', 'datasets')))")
@@ -196,7 +196,7 @@ def test_serving_never_loads_training_code():
 
 
 def test_only_the_engine_talks_to_deepspeed_and_only_tracking_to_wandb():
-    owners = {"deepspeed": {"training/engine.py"}, "wandb": {"training/tracking.py"}}
+    owners = {"deepspeed": {"training/deepspeed_engine.py"}, "wandb": {"training/tracking.py"}}
     for path in PACKAGE.rglob("*.py"):
         rel = str(path.relative_to(PACKAGE))
         for name, allowed in owners.items():

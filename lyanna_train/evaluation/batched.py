@@ -33,7 +33,7 @@ from typing import Callable
 import torch
 
 from ..errors import LyannaError
-from ..runtime.loading import without_pool
+from ..runtime.served_models import without_pool
 from ..runtime.pricing.cost import Costs
 from ..runtime.scheduling.requests import Status, cut
 from ..runtime.scheduling.scheduler import BatchDecoder

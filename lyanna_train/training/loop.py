@@ -15,7 +15,7 @@ from . import checkpoint as ckpt
 from . import run_folder
 from .batches import CachedBatches, OnlineBatches, cache_lengths, first_tokens, plan_epoch
 from .config import validate
-from .engine import Engine, init_distributed
+from .deepspeed_engine import Engine, init_distributed
 from .heldout import AgreementSets, heldout_start
 from .setup import build_parts, cache_spec, feature_cache, online_samples, training_samples
 from .step import distill_loss, step_autocast

@@ -101,7 +101,7 @@ def prompts_file(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def records(target, tokenizer, export_dir):
-    from lyanna_train.export.loader import load_exported
+    from lyanna_train.export.reader import load_exported
 
     draft, _ = load_exported(export_dir, target, tokenizer)
     methods = B.make_methods(["target", "pld", "lyanna", "lookup"], target, draft, load_decode_settings("default"))
