@@ -15,7 +15,7 @@ from lyanna_train.evaluation.benchmark import hf_method
 from lyanna_train.evaluation.prompts import read_questions, render_prompt
 from lyanna_train.runtime.scheduling.scheduler import generate
 from lyanna_train.runtime.cpu.tuning import tune
-from lyanna_train.runtime.loading import load_models
+from lyanna_train.runtime.served_models import load_models
 from lyanna_train.runtime.settings import load_decode_settings
 
 

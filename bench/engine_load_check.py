@@ -143,7 +143,7 @@ def run_ours(args, verifier: str, export: Path, ids: list[list[int]]) -> dict:
     import torch
 
     from lyanna_train.runtime.settings import load_decode_settings
-    from lyanna_train.export.loader import load_exported
+    from lyanna_train.export.reader import load_exported
     from lyanna_train.runtime.scheduling.requests import cut, stop_ids
     from lyanna_train.runtime.scheduling.scheduler import generate
     from lyanna_train.target.model import load_target_model

@@ -80,7 +80,7 @@ def main() -> None:
     args = ap.parse_args()
 
     from lyanna_train.data.feature_cache_writer import CacheSettings
-    from lyanna_train.target.loading import load_tokenizer
+    from lyanna_train.target.source import load_tokenizer
     from lyanna_train.target.model import load_target_model
 
     tokenizer = load_tokenizer("smollm2")

@@ -29,6 +29,8 @@ import sys
 import time
 from pathlib import Path
 
+from lyanna_train.evaluation.report import markdown_table
+
 VARIANTS = {
     "bf16": ("cached, bf16 features (the recipe)", ["data.features=cached", "data.feature_dtype=bfloat16"]),
     "fp8": ("cached, fp8 features (e4m3, a scale per token and layer)",
@@ -71,7 +73,7 @@ def cache_bytes_per_token(root: Path) -> float:
 def heldout_on(run_dir: Path, heldout_root: Path, parts: dict) -> dict:
     """Held-out top-1 agreement of the run's final head on the features of ``heldout_root``."""
     from lyanna_train.data.feature_cache import FeatureCache
-    from lyanna_train.export.loader import load_exported
+    from lyanna_train.export.reader import load_exported
     from lyanna_train.export.writer import export_checkpoint
     from lyanna_train.training.heldout import AgreementSets
 
@@ -102,15 +104,16 @@ def summarise(rows: list[dict]) -> list[dict]:
 
 
 def table(summary: list[dict]) -> str:
-    lines = ["| variant | bytes/token | chain τ | held-out top-1 (own features) | held-out top-1 (bf16 features) "
-             "| steps | minutes to the last step | minutes in all |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    head = ["variant", "bytes/token", "chain τ", "held-out top-1 (own features)", "held-out top-1 (bf16 features)",
+            "steps", "minutes to the last step", "minutes in all"]
+    rows = []
     for r in summary:
         cell = lambda k, f: (f"{r[k]:{f}}" + (f" ± {r[k + '_spread'] / 2:{f}}" if r.get(k + "_spread") else "")  # noqa: E731
                              if k in r else "n/a")
-        lines.append(f"| {r['label']} | {cell('bytes_per_token', ',.0f')} | {cell('tau', '.3f')} | "
-                     f"{cell('heldout_top1_step0', '.3f')} | {cell('heldout_top1_step0_on_bf16', '.3f')} | "
-                     f"{cell('steps', '.0f')} | {cell('minutes_to_last_step', '.1f')} | {cell('minutes', '.1f')} |")
-    return "\n".join(lines)
+        rows.append([r["label"], cell("bytes_per_token", ",.0f"), cell("tau", ".3f"), cell("heldout_top1_step0", ".3f"),
+                     cell("heldout_top1_step0_on_bf16", ".3f"), cell("steps", ".0f"),
+                     cell("minutes_to_last_step", ".1f"), cell("minutes", ".1f")])
+    return markdown_table(head, rows, left=("variant",))
 
 
 def main() -> None:
@@ -155,7 +158,7 @@ def main() -> None:
         import torch
         from omegaconf import OmegaConf
 
-        from lyanna_train.target.loading import load_tokenizer
+        from lyanna_train.target.source import load_tokenizer
         from lyanna_train.target.model import load_target_model
 
         cfg = OmegaConf.load(out / f"{runs[0][0]}-s{runs[0][1]}" / "config.yaml")

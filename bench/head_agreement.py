@@ -22,7 +22,7 @@ import torch
 from lyanna_train.data.corpus import Corpus, ReadNotes, iter_documents
 from lyanna_train.data.features import FeatureExtractor
 from lyanna_train.evaluation.prompts import read_questions, render_prompt
-from lyanna_train.runtime.loading import load_models
+from lyanna_train.runtime.served_models import load_models
 
 STEPS = 3
 

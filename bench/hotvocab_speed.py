@@ -97,7 +97,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=64, help="raw encoding batch (the counter's default batch)")
     args = ap.parse_args()
 
-    from lyanna_train.target.loading import load_tokenizer
+    from lyanna_train.target.source import load_tokenizer
 
     tokenizer = load_tokenizer("smollm2")
     texts = rendered_texts(tokenizer)

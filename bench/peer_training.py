@@ -43,7 +43,7 @@ def run_plan(cfg, cache) -> list[list]:
 
 def verifier_dir(out: Path, target_name: str) -> Path:
     """The target as a Hugging Face directory with its tokenizer (what speculators reads)."""
-    from lyanna_train.target.loading import resolve_target, tokenizer_dir
+    from lyanna_train.target.source import resolve_target, tokenizer_dir
     from lyanna_train.target.model import model_dir
 
     ref = resolve_target(target_name)
@@ -108,12 +108,12 @@ def main() -> None:
 
     from lyanna_train.data.feature_cache import FeatureCache
     from lyanna_train.export.importer import import_head
-    from lyanna_train.export.loader import load_exported
+    from lyanna_train.export.reader import load_exported
     from lyanna_train.export.writer import export_checkpoint
     from lyanna_train.evaluation.prompts import read_questions, render_prompt
-    from lyanna_train.target.loading import load_tokenizer
+    from lyanna_train.target.source import load_tokenizer
     from lyanna_train.target.model import load_target_model
-    from lyanna_train.training.checkpoint import latest_checkpoint
+    from lyanna_train.run_record import latest_checkpoint
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--run", type=Path, required=True, help="a finished lyanna-train run directory")

@@ -39,7 +39,7 @@ from lyanna_train.data.samples import CorpusSamples
 from lyanna_train.data.self_distill import GenerationSettings, SelfDistiller, append_jsonl, to_sharegpt
 from lyanna_train.target.capture import default_layer_ids
 from lyanna_train.runtime.cpu.tuning import tune
-from lyanna_train.runtime.loading import load_models
+from lyanna_train.runtime.served_models import load_models
 from lyanna_train.runtime.scheduling.scheduler import BatchDecoder
 from lyanna_train.runtime.settings import DecodeSettings
 

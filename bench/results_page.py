@@ -15,6 +15,8 @@ import json
 import sys
 from pathlib import Path
 
+from lyanna_train.evaluation.report import markdown_table
+
 RESULTS = Path(__file__).resolve().parent / "results"
 PAGE = RESULTS / "README.md"
 HEADER = """# Measured results
@@ -32,9 +34,7 @@ def _table(heading: list[str], rows: list[list[object]]) -> list[str]:
             return f"{value:.3f}" if abs(value) < 10 else f"{value:.1f}"
         return "" if value is None else str(value)
 
-    out = ["| " + " | ".join(heading) + " |", "|" + "---|" * len(heading)]
-    out += ["| " + " | ".join(cell(v) for v in row) + " |" for row in rows]
-    return out
+    return markdown_table(heading, [[cell(v) for v in row] for row in rows], left=heading).splitlines()
 
 
 def _lossless(data: dict) -> str:

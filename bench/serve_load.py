@@ -33,6 +33,8 @@ from pathlib import Path
 import httpx
 from openai import AsyncOpenAI
 
+from lyanna_train.evaluation.report import markdown_table
+
 MODEL = "bench"
 
 
@@ -146,14 +148,14 @@ def measure(server: Server, prompts: list[str], concurrency: int, max_tokens: in
 
 def table(rows: list[dict]) -> str:
     head = ["server", "clients", "answered", "tok/s", "× no-draft", "req/s", "p50 s", "p95 s", "TTFT p50 s", "τ"]
-    lines = ["| " + " | ".join(head) + " |", "|---|" + "---:|" * (len(head) - 1)]
     base = {r["concurrency"]: r["tokens_per_s"] for r in rows if r["server"] == "no-draft"}
+    cells = []
     for r in rows:
         ratio = r["tokens_per_s"] / base[r["concurrency"]] if base.get(r["concurrency"]) else float("nan")
-        lines.append(f"| {r['server']} | {r['concurrency']} | {r['answered']}/{r['requests']} | "
-                     f"{r['tokens_per_s']:.1f} | {ratio:.2f}× | {r['requests_per_s']:.2f} | {r['latency_p50']:.2f} | "
-                     f"{r['latency_p95']:.2f} | {r['ttft_p50']:.2f} | {r['tau']:.2f} |")
-    return "\n".join(lines)
+        cells.append([r["server"], str(r["concurrency"]), f"{r['answered']}/{r['requests']}", f"{r['tokens_per_s']:.1f}",
+                      f"{ratio:.2f}×", f"{r['requests_per_s']:.2f}", f"{r['latency_p50']:.2f}",
+                      f"{r['latency_p95']:.2f}", f"{r['ttft_p50']:.2f}", f"{r['tau']:.2f}"])
+    return markdown_table(head, cells, left=("server",))
 
 
 def main() -> int:

@@ -68,7 +68,7 @@ def _build(args, settings) -> int:
     from lyanna_train.data.feature_cache_writer import build_feature_cache
     from lyanna_train.target.capture import parse_layer_ids
     from lyanna_train.data.samples import CorpusSamples, SampleSettings, refuse_evaluation_sets
-    from lyanna_train.target.loading import load_tokenizer
+    from lyanna_train.target.source import load_tokenizer
     from lyanna_train.target.model import load_target_model
 
     corpus = Corpus.resolve(args.corpus)

@@ -85,7 +85,7 @@ def _run(args, corpus: Corpus, settings: GenerationSettings) -> int:
     from tqdm.auto import tqdm
 
     from lyanna_train.runtime.cpu.tuning import tune
-    from lyanna_train.runtime.loading import load_models
+    from lyanna_train.runtime.served_models import load_models
     from lyanna_train.runtime.scheduling.scheduler import BatchDecoder
     from lyanna_train.runtime.settings import DecodeSettings, SamplingParams
 

@@ -15,7 +15,7 @@ from lyanna_train.cli.common import entry_point
 from lyanna_train.data.corpus import Corpus
 from lyanna_train.data.samples import SampleSettings, SampleStats, iter_samples
 from lyanna_train.errors import LyannaError
-from lyanna_train.target.loading import load_tokenizer
+from lyanna_train.target.source import load_tokenizer
 
 
 def highlight(tokenizer, sample, color: bool) -> str:

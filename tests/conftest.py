@@ -42,7 +42,7 @@ def one_thread():
 
 @pytest.fixture(scope="session")
 def smollm2_tokenizer():
-    from lyanna_train.target.loading import load_tokenizer
+    from lyanna_train.target.source import load_tokenizer
 
     return load_tokenizer("smollm2")
 

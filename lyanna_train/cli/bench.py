@@ -62,54 +62,6 @@ def _int_list(text: str, flag: str, least: int) -> list[int]:
     return values
 
 
-def markdown_table(summary: dict, lossless: dict, depths: int = 3) -> str:
-    """One row per method: tokens/s, speedup, τ, tree size, acceptance at depths 1..``depths``, identical prompts."""
-    head = ["method", "new tokens", "tok/s", "speedup", "τ", "tree size"] + \
-        [f"accept ≥{k}" for k in range(1, depths + 1)] + ["identical"]
-    rows = ["| " + " | ".join(head) + " |", "|---|" + "---:|" * (len(head) - 1)]
-    n = lossless.get("prompts")
-    for method, s in summary.items():
-        check = lossless.get("methods", {}).get(method)
-        identical = "reference" if lossless.get("checked") and method == "target" else \
-            f"{n - check['mismatches']}/{n}" if check else "–"
-        speedup = f"{s['speedup']:.2f}×" if s["speedup"] is not None else "–"
-        rates = [f"{r:.3f}" for r in s["accept_rate"][:depths]] if method not in ("target", "stock") else []
-        rates += ["–"] * (depths - len(rates))  # a shallower decoding measured fewer depths: the columns stay aligned
-        rows.append("| " + " | ".join([method, str(s["new_tokens"]), f"{s['tokens_per_s']:.1f}", speedup,
-                                       f"{s['tau']:.2f}", f"{s['mean_tree_size']:.1f}", *rates, identical]) + " |")
-    return "\n".join(rows)
-
-
-def plot(summary: dict, path: Path) -> None:
-    """Speedup bars and acceptance-by-depth curves (matplotlib, Agg)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (bars, curves) = plt.subplots(1, 2, figsize=(10, 4))
-    names = list(summary)
-    drawn = bars.bar(names, [summary[m]["speedup"] or 0.0 for m in names], color="tab:blue")
-    bars.bar_label(drawn, fmt="%.2f×")
-    bars.axhline(1.0, color="grey", linestyle="--", linewidth=1)
-    bars.set_ylabel("speedup vs target (tokens/s ratio)")
-    bars.set_title("speedup")
-    for m in names:
-        if m != "target":
-            rates = summary[m]["accept_rate"]
-            curves.plot(range(1, len(rates) + 1), rates, marker="o", label=m)
-    curves.xaxis.get_major_locator().set_params(integer=True)
-    curves.set_xlabel("drafted tokens accepted ≥ k")
-    curves.set_ylabel("fraction of verify forwards")
-    curves.set_ylim(0, 1)
-    curves.set_title("acceptance by depth")
-    if len(names) > 1:
-        curves.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-
-
 def _running(records: dict) -> dict:
     from ..evaluation.benchmark import summarize
 
@@ -161,6 +113,7 @@ def _run(args, names: list[str], settings, questions: list, out: Path) -> int:
 
     from ..atomic import atomic_directory
     from ..evaluation import benchmark as B
+    from ..evaluation import report as R
     from ..evaluation.prompts import Question
 
     target, tokenizer, draft, cost = load_and_tune(args, any(n in B.NEEDS_DRAFT for n in names), settings.tree)
@@ -179,7 +132,7 @@ def _run(args, names: list[str], settings, questions: list, out: Path) -> int:
     summary = B.summarize(records, depth=max(settings.tree.depth, 1))
     lossless = B.lossless_report(records) if settings.sampling.greedy else \
         {"checked": False, "reason": "sampling: outputs differ by design", "methods": {}}
-    table = markdown_table(summary, lossless, max(3, max(len(s["accept_rate"]) for s in summary.values())))
+    table = R.method_table(summary, lossless, max(3, max(len(s["accept_rate"]) for s in summary.values())))
     verdict = B.lossless_lines(lossless)
     meta = {"draft": args.draft, "target": args.target, "prompts": args.prompts, "questions": len(questions),
             "turns": args.turns, "max_new_tokens": args.max_new_tokens, "methods": names,
@@ -192,10 +145,10 @@ def _run(args, names: list[str], settings, questions: list, out: Path) -> int:
         B.write_records(tmp, records)
         (tmp / "summary.json").write_text(json.dumps({**meta, "lossless": lossless, "methods": summary}, indent=2)
                                           + "\n", encoding="utf-8")
-        (tmp / "summary.md").write_text(
-            f"# lyanna-bench: {args.prompts}, {len(questions)} questions × {args.turns} turn(s), "
-            f"{args.max_new_tokens} new tokens\n\n{table}\n\n" + "\n".join(verdict) + "\n", encoding="utf-8")
-        plot(summary, tmp / "bench.png")
+        (tmp / "summary.md").write_text(R.summary_page(
+            f"lyanna-bench: {args.prompts}, {len(questions)} questions × {args.turns} turn(s), "
+            f"{args.max_new_tokens} new tokens", table, verdict), encoding="utf-8")
+        R.method_plot(summary, tmp / "bench.png")
     print(f"wrote {out}")
     return 1 if lossless["checked"] and not lossless["identical"] else 0
 
@@ -233,6 +186,7 @@ def _run_batched(args, names, holds, sizes, settings, questions, out: Path) -> i
 
     from ..atomic import atomic_directory
     from ..evaluation import batched as BB
+    from ..evaluation import report as R
     from ..evaluation.benchmark import hf_method
     from ..evaluation.prompts import render_prompt
 
@@ -249,7 +203,7 @@ def _run_batched(args, names, holds, sizes, settings, questions, out: Path) -> i
         reference = lambda p: alone(p, args.max_new_tokens).tokens  # noqa: E731
     results = BB.measure(methods, prompts, sizes, args.max_new_tokens, args.num_prompts, reference,
                          progress=lambda line: print(line, file=sys.stderr, flush=True))
-    table = BB.markdown_table(results)
+    table = R.batch_table(results)
     ratios = BB.ratio_lines(results)
     verdict, ok = BB.lossless_lines(results)
     print(table)
@@ -262,10 +216,10 @@ def _run_batched(args, names, holds, sizes, settings, questions, out: Path) -> i
         (tmp / "summary.json").write_text(json.dumps({**meta, "results": {str(b): r for b, r in results.items()},
                                                       "ratios": ratios, "lossless": verdict}, indent=2) + "\n",
                                           encoding="utf-8")
-        (tmp / "summary.md").write_text(
-            f"# lyanna-bench --batch-size {args.batch_size}: {args.prompts}, first turns, "
-            f"{args.max_new_tokens} new tokens\n\n{table}\n\n" + "\n".join(ratios + verdict) + "\n", encoding="utf-8")
-        BB.plot(results, tmp / "batched.png")
+        (tmp / "summary.md").write_text(R.summary_page(
+            f"lyanna-bench --batch-size {args.batch_size}: {args.prompts}, first turns, "
+            f"{args.max_new_tokens} new tokens", table, ratios + verdict), encoding="utf-8")
+        R.batch_plot(results, tmp / "batched.png")
     print(f"wrote {out}")
     return 0 if ok else 1
 

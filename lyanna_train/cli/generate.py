@@ -15,7 +15,7 @@ from collections import Counter
 
 from transformers import TextStreamer
 
-from ..runtime.loading import load_models
+from ..runtime.served_models import load_models
 from .common import entry_point
 
 

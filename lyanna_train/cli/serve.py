@@ -51,7 +51,7 @@ def model_name(args) -> str:
         return args.served_model_name
     if args.target:
         return Path(args.target).name or args.target
-    from ..export.loader import read_manifest
+    from ..export.reader import read_manifest
 
     spec = (read_manifest(args.draft).get("target") or {}).get("name") or "lyanna"
     return Path(spec).name or spec

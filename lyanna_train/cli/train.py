@@ -19,6 +19,9 @@ import os
 import sys
 
 from ..configs import conf_dir, register_configs
+from .common import entry_point, exit_on_user_error
+
+PROG = "lyanna-train"
 
 
 def take_local_rank(argv: list[str]) -> list[str]:
@@ -40,17 +43,10 @@ def take_local_rank(argv: list[str]) -> list[str]:
 def run(cfg) -> None:
     from omegaconf import OmegaConf
 
-    from ..errors import LyannaError, os_error_line
     from ..training.loop import train
 
-    try:
+    with exit_on_user_error(PROG):  # inside Hydra's task function: its own handler would print a traceback
         train(cfg, OmegaConf.to_container(cfg, resolve=True))
-    except LyannaError as err:
-        print(f"lyanna-train: error: {err}", file=sys.stderr)
-        raise SystemExit(2) from None
-    except OSError as err:  # a read-only or full disk, a permission: the path and the cause
-        print(f"lyanna-train: error: {os_error_line(err)}", file=sys.stderr)
-        raise SystemExit(2) from None
 
 
 def _main_rank() -> bool:
@@ -60,7 +56,7 @@ def _main_rank() -> bool:
 @contextlib.contextmanager
 def claimed_early(overrides: list[str]):
     """Compose ``overrides`` and, on the main rank, hold ``train.out_dir``'s lock for the run
-    (the trainer's own claim nests in it); errors exit 2 with one line. Hydra's own flags
+    (the trainer's own claim nests in it); errors are ``LyannaError``s (one line, exit 2). Hydra's own flags
     (``--cfg``, ``-m``...) leave all of it to Hydra."""
     if any(arg.startswith("-") for arg in overrides):
         yield
@@ -71,37 +67,33 @@ def claimed_early(overrides: list[str]):
     from .plan import compose
 
     with contextlib.ExitStack() as stack:
-        try:
-            out_dir = compose(overrides).train.out_dir
-            if _main_rank():
-                check_writable(out_dir, "run folder")
+        out_dir = compose(overrides).train.out_dir
+        if _main_rank():
+            check_writable(out_dir, "run folder")
+            try:
                 os.makedirs(out_dir, exist_ok=True)
                 stack.enter_context(run_folder_lock(out_dir))
-        except LyannaError as err:
-            print(f"lyanna-train: error: {err}", file=sys.stderr)
-            raise SystemExit(2) from None
-        except OSError as err:
-            print(f"lyanna-train: error: cannot create run folder {out_dir}: {os_error_line(err)}", file=sys.stderr)
-            raise SystemExit(2) from None
+            except OSError as err:
+                raise LyannaError(f"cannot create run folder {out_dir}: {os_error_line(err)}") from None
         yield
 
 
-def main() -> None:
-    import hydra
-
-    if "--plan" in sys.argv[1:]:  # the same config, planned instead of run (lyanna-plan)
+@entry_point(PROG)
+def main(argv: list[str]) -> int:
+    if "--plan" in argv:  # the same config, planned instead of run (lyanna-plan)
         from .plan import main as plan
 
-        raise SystemExit(plan([a for a in sys.argv[1:] if a != "--plan"]))
-    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    sys.argv = [sys.argv[0], *take_local_rank(sys.argv[1:])]
+        return plan([a for a in argv if a != "--plan"])
+    import hydra
+
+    sys.argv = [sys.argv[0], *take_local_rank(argv)]  # Hydra parses sys.argv itself
     with claimed_early(sys.argv[1:]):
         from ..training.config import Config
 
         register_configs(Config)
         hydra.main(config_path=str(conf_dir()), config_name="config", version_base=None)(run)()
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

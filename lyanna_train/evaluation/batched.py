@@ -33,7 +33,7 @@ from typing import Callable
 import torch
 
 from ..errors import LyannaError
-from ..runtime.loading import without_pool
+from ..runtime.served_models import without_pool
 from ..runtime.pricing.cost import Costs
 from ..runtime.scheduling.requests import Status, cut
 from ..runtime.scheduling.scheduler import BatchDecoder
@@ -242,48 +242,3 @@ def lossless_lines(results: dict[int, dict[str, dict]]) -> tuple[list[str], bool
     checked = any("identical" in s for rows in results.values() for s in rows.values())
     head = "lossless: not checked" if not checked else "lossless: yes" if ok else "lossless: NO"
     return [head] + lines, ok
-
-
-def markdown_table(results: dict[int, dict[str, dict]]) -> str:
-    head = ["batch", "method", "requests", "new tokens", "tok/s", "vs target", "tok/CPU-s", "vs target (CPU)",
-            "latency mean (s)", "p50", "p95", "τ", "tree size", "identical"]
-    rows = ["| " + " | ".join(head) + " |", "|---:|---|" + "---:|" * (len(head) - 2)]
-    for batch, methods in results.items():
-        for name, s in methods.items():
-            vs = f"{s['vs_target']:.2f}×" if s.get("vs_target") else "–"
-            vs_cpu = f"{s['vs_target_cpu']:.2f}×" if s.get("vs_target_cpu") else "–"
-            same = f"{s['identical']}/{s['requests']}" if "identical" in s else "–"
-            rows.append("| " + " | ".join([str(batch), name, str(s["requests"]), str(s["new_tokens"]),
-                                           f"{s['tokens_per_s']:.1f}", vs, f"{s['tokens_per_cpu_s']:.1f}", vs_cpu,
-                                           f"{s['latency_mean']:.2f}",
-                                           f"{s['latency_p50']:.2f}", f"{s['latency_p95']:.2f}", f"{s['tau']:.2f}",
-                                           f"{s['mean_tree_size']:.1f}", same]) + " |")
-    return "\n".join(rows)
-
-
-def plot(results: dict[int, dict[str, dict]], path) -> None:
-    """Total tokens/s, ratio to target-only and median latency against batch size (matplotlib, Agg)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 3, figsize=(14, 4))
-    names = list(dict.fromkeys(n for rows in results.values() for n in rows))
-    for name in names:
-        sizes = [b for b in results if name in results[b]]
-        style = {"marker": "o", "label": name}
-        axes[0].plot(sizes, [results[b][name]["tokens_per_s"] for b in sizes], **style)
-        axes[1].plot(sizes, [results[b][name]["vs_target"] or 0.0 for b in sizes], **style)
-        axes[2].plot(sizes, [results[b][name]["latency_p50"] for b in sizes], **style)
-    for ax, label in zip(axes, ("total tokens/s", "tokens/s ÷ target-only at the same batch", "median latency (s)")):
-        ax.set_xscale("log", base=2)
-        ax.set_xticks(list(results), [str(b) for b in results])
-        ax.set_xlabel("batch size")
-        ax.set_ylabel(label)
-        ax.grid(alpha=0.3)
-    axes[1].axhline(1.0, color="grey", linestyle="--", linewidth=1)
-    axes[0].legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)

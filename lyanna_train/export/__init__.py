@@ -2,14 +2,14 @@
 
 Two formats: ``lyanna`` (everything, pool and α-gate included) and ``eagle3`` (what
 SGLang and vLLM load; see :mod:`lyanna_train.export.formats` for the layer-id
-conventions). Imports are lazy so that serving code importing the loader never pulls
+conventions). Imports are lazy so that serving code importing the reader never pulls
 in the writer (which reads training checkpoints).
 """
 
 from __future__ import annotations
 
-_LAZY = {"export_checkpoint": "writer", "resolve_checkpoint": "writer", "load_exported": "loader",
-         "read_manifest": "loader"}
+_LAZY = {"export_checkpoint": "writer", "resolve_checkpoint": "writer", "load_exported": "reader",
+         "read_manifest": "reader"}
 
 __all__ = sorted(_LAZY)
 

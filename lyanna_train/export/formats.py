@@ -1,7 +1,7 @@
 """The two export formats: tensor-name tables and ``config.json`` builders.
 
 ``lyanna``: every part of the draft (α-gate, pool settings, "other" logit); config.json
-holds the :class:`DraftConfig` fields. Read back by :func:`lyanna_train.export.loader.load_exported`.
+holds the :class:`DraftConfig` fields. Read back by :func:`lyanna_train.export.reader.load_exported`.
 
 ``eagle3``: what SGLang's ``LlamaForCausalLMEagle3`` and vLLM's ``Eagle3LlamaForCausalLM``
 load (``midlayer.*``, ``fc``, ``norm``, ``lm_head``, ``d2t``, ``t2d``; the engines share

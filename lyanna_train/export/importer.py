@@ -20,7 +20,7 @@ from ..errors import LyannaError
 from . import formats as F
 from . import layouts as L
 from .integrity import check_finite, file_sha256
-from .loader import read_json, read_tensors
+from .reader import read_json, read_tensors
 
 _WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
                  "pytorch_model.bin.index.json")
@@ -79,7 +79,7 @@ def _tokenizer_dirs(src: Path, verifier: dict | None) -> list[Path]:
 def check_target(cfg, embed, verifier, src: Path, target, tokenizer, target_name: str) -> list[str]:
     """Refuse a head made for another target (one line naming the mismatch); returns what was checked."""
     from ..target.fingerprint import tokenizer_fingerprint
-    from ..target.loading import load_tokenizer
+    from ..target.source import load_tokenizer
 
     hidden, layers = target.config.hidden_size, target.config.num_hidden_layers
     rows = target.get_input_embeddings().weight.shape[0]
@@ -111,7 +111,7 @@ def check_target(cfg, embed, verifier, src: Path, target, tokenizer, target_name
 def read_head(src: Path, layout: str = "auto"):
     """(layout, DraftConfig, DraftHead state with d2t/t2d, source embeddings or None, verifier, weights file,
     notes on what serving here does differently)."""
-    from .loader import check_state
+    from .reader import check_state
 
     config_file = src / F.CONFIG_FILE
     config = read_json(config_file)
@@ -171,7 +171,7 @@ def _import_head(src: str | Path, out_dir: str | Path, target_name: str, *, targ
     say(f"importing {src} ({layout} layout: {cfg.draft_vocab_size}-token head over a {cfg.vocab_size}-token "
         f"vocabulary, width {cfg.hidden_size})")
     if target is None or tokenizer is None:
-        from ..target.loading import load_tokenizer
+        from ..target.source import load_tokenizer
         from ..target.model import load_target_model
 
         target = target if target is not None else load_target_model(target_name)

@@ -3,7 +3,7 @@
 Flipped bytes inside a tensor leave a safetensors file perfectly readable, and an
 all-NaN tensor decodes without complaint (the draft then just never gets accepted):
 both must be refused when the export is loaded, naming the file or the tensor. The
-writer records the digest of every file it wrote; the loader checks them before
+writer records the digest of every file it wrote; the reader checks them before
 reading any weights.
 """
 

@@ -2,7 +2,7 @@
 
 The directory (``model.safetensors``, ``config.json``, ``hot_vocab.safetensors``,
 ``manifest.json``) is built in a hidden sibling and renamed into place only when
-complete. The manifest records what a loader must check (target and tokenizer
+complete. The manifest records what a reader must check (target and tokenizer
 fingerprints, the sha256 of every file) and what a reader wants to know (training
 config, final metrics). All of it comes from the checkpoint itself (``run.json``,
 written with every checkpoint), never from the run folder around it, so a checkpoint
@@ -25,19 +25,17 @@ from ..atomic import atomic_directory, check_output_dir
 from ..errors import LyannaError
 from ..locks import output_lock
 from ..models.config import DraftConfig
-from ..training.checkpoint import RUN_RECORD, read_run_record
-from . import engines
+from ..run_record import RUN_RECORD, latest_checkpoint, read_run_record
 from . import formats as F
+from . import serving_engines
 from .integrity import check_finite, digests
-from .loader import check_state, read_json, read_tensors
+from .reader import check_state, read_json, read_tensors
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
 def resolve_checkpoint(path: str | Path) -> Path:
     """A checkpoint directory itself, or the latest complete checkpoint of a run (or checkpoints) directory."""
-    from ..training.checkpoint import latest_checkpoint
-
     path = Path(path)
     if not path.is_dir():
         raise LyannaError(f"checkpoint or run directory not found: {path}")
@@ -106,7 +104,7 @@ def fingerprints(record: dict | None, ckpt: Path, recorded_name: str | None, tar
     elif tokenizer is not None:
         k = {"fingerprint": tokenizer_fingerprint(tokenizer), "source": "tokenizer given"}
     else:
-        from ..target.loading import load_tokenizer
+        from ..target.source import load_tokenizer
 
         name = target_name or recorded_name
         if not name:
@@ -127,7 +125,7 @@ def format_tensors(state: dict, cfg: DraftConfig, fmt: str, dtype: torch.dtype |
 
 
 def base_manifest(fmt: str, cfg: DraftConfig, target_info: dict, tokenizer_info: dict) -> dict:
-    """What every export's manifest starts with: what it is, and what a loader must check."""
+    """What every export's manifest starts with: what it is, and what a reader must check."""
     return {
         "kind": F.KIND, "version": F.VERSION, "format": fmt, "lyanna_train": __version__,
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
@@ -188,12 +186,12 @@ def _export(checkpoint_dir: str | Path, out_dir: str | Path, fmt: str = F.LYANNA
     if fmt == F.EAGLE3:
         engine_verifier = _verifier_for_engines(target_name, verifier, target, required=speculators or embeddings)
         manifest["verifier"] = engine_verifier
-        manifest["serving"] = engines.serving_commands(
+        manifest["serving"] = serving_engines.serving_commands(
             out_dir, cfg, (engine_verifier or {}).get("name_or_path") or verifier or target_name or "TARGET",
             speculative_tokens, speculators, embeddings)
     for note in (manifest.get("serving") or {}).get("notes", []):
         say(f"note: {note}")
-    embed = engines.speculators_embeddings(engine_verifier, cfg, target) if speculators or embeddings else None
+    embed = serving_engines.speculators_embeddings(engine_verifier, cfg, target) if speculators or embeddings else None
     write_directory(out_dir, cfg, state, fmt, manifest, tokenizer_info["fingerprint"], dtype=DTYPES.get(dtype),
                     overwrite=overwrite, speculators=(engine_verifier, speculative_tokens) if speculators else None,
                     embed=embed, embed_in_root=embeddings, say=say)
@@ -203,7 +201,7 @@ def _export(checkpoint_dir: str | Path, out_dir: str | Path, fmt: str = F.LYANNA
 def _verifier_for_engines(target_name, verifier, target, required: bool) -> dict | None:
     """The verifier as engines open it; without --speculators-config a failure only leaves it unrecorded."""
     try:
-        return engines.resolve_verifier(target_name, verifier, target)
+        return serving_engines.resolve_verifier(target_name, verifier, target)
     except LyannaError:
         if required:
             raise
@@ -214,7 +212,7 @@ def write_directory(out_dir: Path, cfg: DraftConfig, state: dict, fmt: str, mani
                     dtype: torch.dtype | None = None, overwrite: bool = False, speculators: tuple | None = None,
                     embed: torch.Tensor | None = None, embed_in_root: bool = False, say: Callable = print) -> None:
     """Write an export directory atomically from a DraftHead state dict and its manifest (with
-    the sha256 of every file, which the loader checks).
+    the sha256 of every file, which the reader checks).
 
     ``speculators``: (verifier {"name_or_path", "architectures"}, speculative tokens) to add the
     ``speculators/`` directory, which carries ``embed`` (the verifier's embeddings), as the
@@ -242,8 +240,8 @@ def write_directory(out_dir: Path, cfg: DraftConfig, state: dict, fmt: str, mani
         hot_file.parent.mkdir(exist_ok=True)
         os.replace(hot_file.parent / save_hot_vocab(hot_file.parent, hot, tokenizer_fp), hot_file)
         if speculators:
-            engines.write_speculators(tmp, cfg, tensors, *speculators, dtype_name, embed)
-        manifest["sha256"] = digests(tmp, skip=(F.MANIFEST_FILE,))  # checked by the loader
+            serving_engines.write_speculators(tmp, cfg, tensors, *speculators, dtype_name, embed)
+        manifest["sha256"] = digests(tmp, skip=(F.MANIFEST_FILE,))  # checked by the reader
         (tmp / F.MANIFEST_FILE).write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")
         for path in tmp.rglob("*"):  # safetensors writes 0600; a serving directory is read by other users
             if path.is_file():

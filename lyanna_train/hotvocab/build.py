@@ -15,7 +15,7 @@ from ..data.corpus import Corpus
 from ..errors import LyannaError
 from ..locks import output_lock
 from ..target.fingerprint import tokenizer_fingerprint, vocab_size
-from ..target.loading import load_tokenizer, resolve_target, tokenizer_dir
+from ..target.source import load_tokenizer, resolve_target, tokenizer_dir
 from . import artifact
 from .counting import CountResult, CountSettings, count_corpus
 from .report import plot_coverage, selection_table, write_report

@@ -1,6 +1,6 @@
 """``lyanna-serve``: the batched speculative-decoding runtime behind an OpenAI-compatible HTTP API.
 
-One engine thread owns the runtime's :class:`~lyanna_train.runtime.scheduling.scheduler.BatchDecoder`
+One decode thread owns the runtime's :class:`~lyanna_train.runtime.scheduling.scheduler.BatchDecoder`
 and steps it (:mod:`.engine`); HTTP handlers (:mod:`.app`, FastAPI on uvicorn) turn
 OpenAI requests (:mod:`.protocol`) into prompt ids, submit them and read their tokens back
 from per-request queues, so a slow client never holds up the batch. :mod:`.text` turns

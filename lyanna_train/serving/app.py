@@ -1,4 +1,4 @@
-"""The FastAPI application: OpenAI routes over one :class:`~.engine.Engine`.
+"""The FastAPI application: OpenAI routes over one :class:`~.decode_thread.Engine`.
 
 Every request is checked before it reaches the engine, so before anything is allocated
 for it (model name, every numeric field's range, the prompt and the token budget against
@@ -26,7 +26,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
 from ..runtime.settings import SamplingParams
-from .engine import Engine, Job
+from .decode_thread import Engine, Job
 from .limits import RATE_LIMITED, Limits, RequestLimits
 from .metrics import CONTENT_TYPE
 from .protocol import (FINISH_REASONS, ChatRequest, CompletionRequest, Envelope, ServingError, error_body, usage)
@@ -46,7 +46,7 @@ class ServedModel:
 
 def create_app(engine: Engine, model: ServedModel, shutdown_timeout: float = 30.0,
                limits: Limits = Limits()) -> FastAPI:
-    """The app; its lifespan starts the engine thread and, at shutdown, stops it."""
+    """The app; its lifespan starts the decode thread and, at shutdown, stops it."""
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):

@@ -18,7 +18,7 @@ LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32, 64, 128)
 
 
 class ServingMetrics:
-    """Updated by the engine thread (tokens, forwards, slots) and the HTTP handlers (outcomes)."""
+    """Updated by the decode thread (tokens, forwards, slots) and the HTTP handlers (outcomes)."""
 
     def __init__(self, window_s: float = 10.0):
         self.registry = r = CollectorRegistry()

@@ -3,7 +3,7 @@
 On SIGTERM (or Ctrl-C) uvicorn stops listening, so new connections are refused; requests
 that reach the app on a connection still open get a 503; requests in flight run to their
 end for at most ``shutdown_timeout`` seconds, after which uvicorn cancels them; then the
-app's lifespan stops the engine thread and the process exits 0.
+app's lifespan stops the decode thread and the process exits 0.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from ..runtime.settings import DecodeSettings, TreeShape
 from ..runtime.scheduling.scheduler import BatchDecoder
 from ..errors import LyannaError
 from .app import ServedModel, create_app
-from .engine import Engine
+from .decode_thread import Engine
 from .limits import Limits
 from .metrics import ServingMetrics
 

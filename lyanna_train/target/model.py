@@ -14,7 +14,7 @@ import torch
 
 from ..atomic import atomic_directory
 from ..errors import LyannaError
-from .loading import REMOTE_CODE_REFUSED, TargetRef, refuses_remote_code, resolve_target
+from .source import REMOTE_CODE_REFUSED, TargetRef, refuses_remote_code, resolve_target
 from .support import check_target_config, check_target_model
 
 # Config fields that decide the shapes and the numerics of a forward pass; anything

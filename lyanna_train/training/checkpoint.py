@@ -9,37 +9,23 @@ main rank writes what export needs, so that export reads the checkpoint alone:
 
 * ``model.safetensors`` + ``draft_config.json``: the draft's weights and shape;
 * ``run.json``: the target's and tokenizer's fingerprints, the resolved run config and
-  the last value of every metric logged up to this step.
+  the last value of every metric logged up to this step (``run_record.py``: its name,
+  reader and writer, shared with export).
 """
 
 from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
 
-from ..atomic import write_json_atomic
 from ..errors import LyannaError, write_failure
-
-_NAME = re.compile(r"^step-(\d{8})$")
-RUN_RECORD = "run.json"
-
-
-def complete_checkpoints(root: Path) -> list[Path]:
-    """Complete checkpoints, oldest first."""
-    if not root.is_dir():
-        return []
-    return sorted((p for p in root.iterdir() if p.is_dir() and _NAME.match(p.name)), key=lambda p: p.name)
-
-
-def latest_checkpoint(root: Path) -> Path | None:
-    found = complete_checkpoints(root)
-    return found[-1] if found else None
+# the checkpoint's name and run.json live below training and export, which both read them
+from ..run_record import CHECKPOINT_NAME, complete_checkpoints, latest_checkpoint
 
 
 def resolve_resume(resume: str, root: Path) -> Path | None:
@@ -49,7 +35,7 @@ def resolve_resume(resume: str, root: Path) -> Path | None:
     if resume in ("auto", "force"):
         return latest_checkpoint(root)
     path = Path(resume)
-    if not path.is_dir() or not _NAME.match(path.name):
+    if not path.is_dir() or not CHECKPOINT_NAME.match(path.name):
         raise LyannaError(f"train.resume: {resume} is not a complete checkpoint directory (step-NNNNNNNN)")
     return path
 
@@ -67,25 +53,6 @@ def write_draft_weights(directory: Path, draft, extra_config: dict) -> None:
     state = {k: v.detach().cpu().contiguous() for k, v in draft.state_dict().items()}
     save_file(state, str(directory / "model.safetensors"))
     (directory / "draft_config.json").write_text(json.dumps({**draft.cfg.to_dict(), **extra_config}, indent=2))
-
-
-def write_run_record(directory: Path, record: dict) -> None:
-    """``run.json``: fingerprints, resolved config and metrics (JSON only: nothing in it can run code)."""
-    write_json_atomic(directory / RUN_RECORD, record)
-
-
-def read_run_record(checkpoint: Path) -> dict | None:
-    """The checkpoint's ``run.json``, or None for checkpoints written before it existed; corrupt -> one line."""
-    path = checkpoint / RUN_RECORD
-    if not path.is_file():
-        return None
-    try:
-        record = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise LyannaError(f"{path} is unreadable or not valid JSON: {err}") from None
-    if not isinstance(record, dict):
-        raise LyannaError(f"{path} does not hold a JSON object")
-    return record
 
 
 def save(engine, root: Path, step: int, client_state: dict, write_main, keep_last: int) -> Path:

@@ -146,7 +146,7 @@ class TrainConf:
     resume: str = ranged("auto", resume_spec())
     threads: Optional[int] = ranged(None, optional(integer(1)))  # torch CPU threads per rank (None = torch's default)
     # minutes the whole run may take here (features, training, held-out, evaluation): measured
-    # at the start, data.max_samples is cut to what fits (training/budget.py); None = no limit
+    # at the start, the run trains on the samples that fit (training/budget.py: a count); None = no limit
     time_budget_min: Optional[float] = ranged(None, optional(number(0, low_open=True)))
     # the draft's forward and losses under torch.autocast in this dtype (master weights and
     # optimizer stay fp32); bfloat16 trains ~3x faster on CPUs with AVX512-BF16 / AMX but

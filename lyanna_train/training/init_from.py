@@ -56,7 +56,7 @@ def _carry_over(new: DraftHead, head: DraftHead) -> int:
 def draft_from_export(cfg, target, tokenizer, run_hot_ids: Callable[[], torch.Tensor],
                       say: Callable = print) -> tuple[DraftHead, torch.Tensor, tuple]:
     """(draft to train, its hot ids, the target layers it reads) from ``cfg.draft.init_from``."""
-    from ..export.loader import load_exported
+    from ..export.reader import load_exported
 
     where = Path(cfg.draft.init_from)
     if cfg.draft.init_vocab not in INIT_VOCABS:

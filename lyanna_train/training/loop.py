@@ -23,12 +23,13 @@ import torch
 from ..errors import LyannaError
 from ..target.fingerprint import tokenizer_fingerprint
 from ..target.model import target_fingerprint
+from ..run_record import latest_checkpoint, read_run_record, write_run_record
 from . import checkpoint as ckpt
 from . import run_folder
 from .batches import CachedBatches, OnlineBatches, cache_lengths, first_tokens, plan_epoch
 from .budget import sample_count
 from .config import validate
-from .engine import Engine, init_distributed  # the one module that talks to DeepSpeed
+from .deepspeed_engine import Engine, init_distributed  # the one module that talks to DeepSpeed
 from .heldout import AgreementSets, head_metrics, heldout_start
 from .setup import build_parts, cache_spec, feature_cache, training_samples
 from .step import distill_loss, step_autocast
@@ -244,7 +245,7 @@ class DistillationRecipe:
         if claimed.resume_from is None:
             return {}
         checkpoint = Path(claimed.resume_from)
-        record = ckpt.read_run_record(checkpoint)
+        record = read_run_record(checkpoint)
         _check_same_target(record, self.fingerprints, checkpoint)
         self.load_client_state(self.engine.load(checkpoint.parent, checkpoint.name))
         if claimed.forced:
@@ -350,7 +351,7 @@ class DistillationRecipe:
         def write_main(directory: Path) -> None:
             ckpt.write_draft_weights(directory, self.engine.module, {"layer_ids": list(parts.layer_ids),
                                                                      "target": self.cfg.target.name})
-            ckpt.write_run_record(directory, {"step": p.step, **self.fingerprints, "config": self.trained_config,
+            write_run_record(directory, {"step": p.step, **self.fingerprints, "config": self.trained_config,
                                               "metrics": dict(self.tracker.latest)})
 
         return ckpt.save(self.engine, self.root, p.step, self.client_state(), write_main, self.cfg.train.keep_last)
@@ -359,7 +360,7 @@ class DistillationRecipe:
         """training.png, the last line, the tracker closed."""
         if self.rank == 0:
             _plot_curves(self.out_dir, self.say)
-        self.say(done_line(self.progress.step, ckpt.latest_checkpoint(self.root), final))
+        self.say(done_line(self.progress.step, latest_checkpoint(self.root), final))
         self.tracker.finish()
 
     def result(self, metrics: dict) -> dict:

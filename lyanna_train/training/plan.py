@@ -82,7 +82,7 @@ def target_config(spec: str):
     directory, GGUF header or cached download, else the copy shipped for a recipe's hub id."""
     from transformers import AutoConfig
 
-    from ..target.loading import resolve_target
+    from ..target.source import resolve_target
     from ..target.support import check_target_config
     from ..target.shipped_configs import shipped_config
 

@@ -22,6 +22,7 @@ from typing import Any, Iterator
 from ..atomic import check_writable, remove_stale_temporaries, write_text_atomic
 from ..errors import LyannaError, os_error_line
 from ..locks import run_folder_lock
+from ..run_record import latest_checkpoint
 from . import checkpoint as ckpt
 
 CONFIG_FILE = "config.yaml"
@@ -93,7 +94,7 @@ def resolved(cfg) -> dict:
 
 def _holds_work(out_dir: Path) -> bool:
     """Whether anything was built here with the saved config (a run that failed in setup built nothing)."""
-    return ckpt.latest_checkpoint(out_dir / "checkpoints") is not None or \
+    return latest_checkpoint(out_dir / "checkpoints") is not None or \
         any((out_dir / part / "manifest.json").is_file() for part in ("hotvocab", "features"))
 
 
@@ -109,7 +110,7 @@ def _claim_on_main(cfg, out_dir: Path, stack: contextlib.ExitStack, say) -> Clai
     for stale in [*remove_stale_temporaries(out_dir), *ckpt.remove_partials(out_dir / "checkpoints")]:
         say(f"removed {stale.name}, left half-written by an earlier run that stopped")
     root = out_dir / "checkpoints"
-    latest = ckpt.latest_checkpoint(root)
+    latest = latest_checkpoint(root)
     mode = cfg.train.resume
     if mode == "never" and latest is not None:
         raise LyannaError(f"train.resume=never, but {root} holds checkpoints of an earlier run (up to {latest.name}); "

@@ -22,7 +22,7 @@ from ..models.config import DraftConfig
 from ..models.draft_head import DraftHead
 from ..models.init import init_from_target
 from ..target.fingerprint import tokenizer_fingerprint, vocab_size
-from ..target.loading import load_tokenizer
+from ..target.source import load_tokenizer
 from ..target.model import load_target_model, target_fingerprint
 
 

@@ -181,7 +181,7 @@ def check_paths(cfg) -> None:
     from pathlib import Path
 
     from ..data.corpus import Corpus
-    from ..target.loading import resolve_target
+    from ..target.source import resolve_target
 
     try:
         resolve_target(cfg.target.name)

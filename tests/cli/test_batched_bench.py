@@ -10,7 +10,7 @@ import pytest
 from lyanna_train.cli.bench import main as bench_main
 from lyanna_train.evaluation import batched as BB
 from lyanna_train.runtime.drafting.state import BatchDraftState
-from lyanna_train.runtime.loading import without_pool
+from lyanna_train.runtime.served_models import without_pool
 
 from .test_generate_bench import H, QUESTIONS, export_dir, prompts_file, target, tokenizer  # noqa: F401 (fixtures)
 
@@ -64,7 +64,7 @@ def test_bad_batched_flags_are_one_line(flags, message, export_dir, prompts_file
 
 
 def test_the_pool_off_head_shares_the_layers_and_has_no_pool(target, export_dir, tokenizer):  # noqa: F811
-    from lyanna_train.export.loader import load_exported
+    from lyanna_train.export.reader import load_exported
 
     draft, _ = load_exported(export_dir, target, tokenizer)
     bare = without_pool(draft)

@@ -101,7 +101,7 @@ def prompts_file(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def records(target, tokenizer, export_dir):
-    from lyanna_train.export.loader import load_exported
+    from lyanna_train.export.reader import load_exported
 
     draft, _ = load_exported(export_dir, target, tokenizer)
     methods = B.make_methods(["target", "pld", "lyanna", "lookup"], target, draft, load_decode_settings("default"))
@@ -367,8 +367,8 @@ def test_generate_budget_must_fit_the_context_and_a_turn_stops_at_its_end(export
 def test_every_bench_table_row_has_a_cell_under_every_heading(depths):
     """Each method and decoding renders as many cells as the header names, whatever depth
     each method measured (a depth-1 decoding once left the lyanna row short)."""
-    from lyanna_train.cli.bench import markdown_table
-    from lyanna_train.evaluation.batched import markdown_table as batched_table
+    from lyanna_train.evaluation.report import batch_table as batched_table
+    from lyanna_train.evaluation.report import method_table as markdown_table
 
     def cells(line: str) -> int:
         return len(line.strip().strip("|").split("|"))

@@ -22,7 +22,7 @@ from safetensors.torch import load_file, save_file
 
 from lyanna_train.export import formats as F
 from lyanna_train.export.importer import import_head
-from lyanna_train.export.loader import load_exported
+from lyanna_train.export.reader import load_exported
 from lyanna_train.export.writer import export_checkpoint
 from lyanna_train.models.config import DraftConfig
 from lyanna_train.models.draft_head import DraftHead

@@ -11,13 +11,14 @@ from safetensors.torch import load_file, save_file
 from lyanna_train.cli.export import main as cli_main
 from lyanna_train.errors import LyannaError
 from lyanna_train.export import formats as F
-from lyanna_train.export.loader import load_exported
+from lyanna_train.export.reader import load_exported
 from lyanna_train.export.writer import export_checkpoint
 from lyanna_train.hotvocab.artifact import load_hot_vocab
 from lyanna_train.models.config import DraftConfig
 from lyanna_train.models.draft_head import DraftHead
+from lyanna_train.run_record import write_run_record
 from lyanna_train.target.model import target_fingerprint
-from lyanna_train.training.checkpoint import write_draft_weights, write_run_record
+from lyanna_train.training.checkpoint import write_draft_weights
 
 V, H, LAYER_IDS = 256, 64, (0, 1, 2)
 EAGLE3_TENSORS = {
@@ -321,6 +322,6 @@ def test_the_loader_never_imports_training_code():
     import subprocess
     import sys
 
-    code = ("import sys, lyanna_train.export.loader; "
+    code = ("import sys, lyanna_train.export.reader; "
             "print(sorted(m for m in sys.modules if m.startswith('lyanna_train.training') or m == 'deepspeed'))")
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip() == "[]"

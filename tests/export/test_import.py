@@ -18,7 +18,7 @@ from lyanna_train.cli.export import main as cli_main
 from lyanna_train.errors import LyannaError
 from lyanna_train.export import formats as F
 from lyanna_train.export.importer import import_head
-from lyanna_train.export.loader import load_exported
+from lyanna_train.export.reader import load_exported
 from lyanna_train.models.config import DraftConfig
 from lyanna_train.models.draft_head import DraftHead
 

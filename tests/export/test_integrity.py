@@ -15,7 +15,7 @@ from safetensors.torch import load_file, save_file
 from lyanna_train.cli.export import main as cli_main
 from lyanna_train.errors import LyannaError
 from lyanna_train.export import formats as F
-from lyanna_train.export.loader import load_exported
+from lyanna_train.export.reader import load_exported
 from lyanna_train.export.writer import export_checkpoint
 from lyanna_train.target.model import target_fingerprint
 

@@ -19,10 +19,10 @@ MODEL = "tiny-llama"
 def tiny(tmp_path_factory):
     """(tokenizer, target, draft loaded from its export, export dir), and a copy of the target
     and draft for reference decodings in the test thread (capture hooks and the draft's pool
-    are per model: the server's engine thread owns the originals)."""
+    are per model: the server's decode thread owns the originals)."""
     import copy
 
-    from lyanna_train.export.loader import load_exported
+    from lyanna_train.export.reader import load_exported
 
     tokenizer = byte_level_tokenizer()
     target = tiny_llama(tokenizer)
@@ -63,7 +63,7 @@ def _serve(tiny, no_draft: bool):
     settings = load_decode_settings("default")
     if no_draft:
         settings = target_only(settings)
-    torch.set_num_threads(1)  # tiny models: see tests/conftest.py one_thread (the engine thread inherits it)
+    torch.set_num_threads(1)  # tiny models: see tests/conftest.py one_thread (the decode thread inherits it)
     app = build_app(tiny.target, tiny.tokenizer, None if no_draft else tiny.draft, settings, MODEL, max_batch=4,
                     default_max_tokens=16)
     return start_server(app)

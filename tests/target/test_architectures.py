@@ -116,7 +116,7 @@ def _export(kind: str, tokenizer, root):
 @pytest.mark.parametrize("kind,impl", list(_cases()))
 def test_the_pipeline_decodes_losslessly_with_accepted_drafts(kind, impl, smollm2_tokenizer, tmp_path_factory,
                                                              one_thread):
-    from lyanna_train.export.loader import load_exported
+    from lyanna_train.export.reader import load_exported
     from lyanna_train.runtime.scheduling.scheduler import generate
     from lyanna_train.runtime.scheduling.scheduler import generate_batch
     from lyanna_train.runtime.settings import load_decode_settings

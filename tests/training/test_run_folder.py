@@ -33,7 +33,7 @@ def _checkpoints(out) -> list[str]:
 
 def _last_step(out) -> int:
     """The step of the latest complete checkpoint (0: none yet)."""
-    from lyanna_train.training.checkpoint import latest_checkpoint
+    from lyanna_train.run_record import latest_checkpoint
 
     latest = latest_checkpoint(out / "checkpoints")
     return int(latest.name.split("-")[1]) if latest is not None else 0
@@ -63,7 +63,7 @@ def test_a_second_run_in_a_busy_folder_stops_naming_the_first_and_resumes_once_i
     """The issue's two runs in one folder: the second used to train from the first's checkpoints
     (or crash on its .partial-step-*); now it stops at once, naming the first. After kill -9 the
     folder is free again: what the dead run left half-written is removed and steps never repeat."""
-    from lyanna_train.training.engine import init_distributed
+    from lyanna_train.training.deepspeed_engine import init_distributed
 
     # DeepSpeed may JIT-build its CPU communication op on first use: done here, in this process,
     # so that the first run below is never killed mid-build (which would leave the build locked)
@@ -98,7 +98,7 @@ def test_a_second_run_in_a_busy_folder_stops_naming_the_first_and_resumes_once_i
 
 def test_resume_refuses_a_changed_config_naming_the_fields_and_force_continues_with_it(
         tmp_path, tiny_target_dir, tiny_corpus):
-    from lyanna_train.training.engine import lr_lambda
+    from lyanna_train.training.deepspeed_engine import lr_lambda
 
     out = tmp_path / "run"
     base = ("train.max_steps=2", "train.save_every=1", "train.lr=1e-3")

@@ -199,7 +199,7 @@ def test_heldout_agreement_and_the_issue_11_levers_in_a_run(tmp_path, tiny_targe
     assert (out / "training.png").read_bytes()[:4] == b"\x89PNG"  # the curves, drawn at the end of the run
     from safetensors.torch import load_file
 
-    from lyanna_train.training.checkpoint import latest_checkpoint
+    from lyanna_train.run_record import latest_checkpoint
 
     weights = load_file(latest_checkpoint(out / "checkpoints") / "model.safetensors")
     target = load_file(next(tiny_target_dir.glob("*.safetensors")))

@@ -56,7 +56,7 @@ def test_a_zero_checkpoint_resumes_weights_only_and_a_pickle_in_its_optimizer_fi
                                           "train.resume=force")))
     assert result["step"] == 2  # resumed from step 1 with every file loaded weights_only
     (planted,) = (out / "checkpoints" / "step-00000002").glob("*optim_states.pt")
-    from lyanna_train.training.engine import _deepspeed_records
+    from lyanna_train.training.deepspeed_engine import _deepspeed_records
 
     with torch.serialization.safe_globals(_deepspeed_records()):
         state = torch.load(planted, weights_only=True)
@@ -90,7 +90,7 @@ def _evil_copy(src, dst, marker, model_type: str):
 
 
 _LOAD = ("import sys\nfrom lyanna_train.errors import LyannaError\n"
-         "from lyanna_train.target.loading import load_tokenizer\nfrom lyanna_train.target.model import load_target_model\n"
+         "from lyanna_train.target.source import load_tokenizer\nfrom lyanna_train.target.model import load_target_model\n"
          "try:\n    load_tokenizer(sys.argv[1]); load_target_model(sys.argv[1]); print('loaded')\n"
          "except LyannaError as err:\n    print('error:', err)\n")
 

@@ -130,7 +130,7 @@ def test_hot_vocabulary_sizes_are_checked_against_the_tokenizer_and_the_given_fi
     from lyanna_train.hotvocab.artifact import save_hot_vocab
     from lyanna_train.hotvocab.selection import HotVocab
     from lyanna_train.target.fingerprint import tokenizer_fingerprint
-    from lyanna_train.target.loading import load_tokenizer
+    from lyanna_train.target.source import load_tokenizer
 
     out = tmp_path / "run"
     with pytest.raises(LyannaError, match=re.escape("hotvocab.size = 1000000 is not allowed (allowed: 1 to the "

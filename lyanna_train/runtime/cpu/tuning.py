@@ -184,7 +184,7 @@ def tuning_key(target, draft: DraftHead | None, linear_forms: bool) -> dict:
 
 
 def tuning_path(key: dict) -> Path:
-    from ...target.loading import cache_root
+    from ...target.source import cache_root
 
     digest = hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:20]
     return cache_root() / "cpu_tuning" / f"{digest}.json"

@@ -6,7 +6,7 @@ import pytest
 
 from lyanna_train.errors import LyannaError
 from lyanna_train.target.fingerprint import tokenizer_fingerprint, vocab_size
-from lyanna_train.target.loading import load_tokenizer, resolve_target
+from lyanna_train.target.source import load_tokenizer, resolve_target
 
 
 def test_embedded_smollm2_tokenizer(smollm2_tokenizer):

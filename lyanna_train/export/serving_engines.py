@@ -48,7 +48,7 @@ def _complete_converted_copy(ref, model_path: Path) -> None:
     as the verifier also read its tokenizer there, so it is saved beside them once."""
     if any((model_path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
         return
-    from ..target.loading import load_tokenizer
+    from ..target.source import load_tokenizer
 
     load_tokenizer(ref).save_pretrained(model_path)
 
@@ -59,7 +59,7 @@ def resolve_verifier(target_name: str | None, verifier: str | None = None, targe
     ``verifier`` (a directory or model id) wins; otherwise the run's target, resolved to the
     directory its weights are read from (an embedded or GGUF target: the converted copy).
     """
-    from ..target.loading import resolve_target
+    from ..target.source import resolve_target
     from ..target.model import model_dir
 
     name = verifier

@@ -1,7 +1,7 @@
 """What serving needs, loaded together: the target, its tokenizer and an exported draft.
 
 The draft's export names the target it was made for; another one can be given, and the
-export loader then checks its fingerprint. Used by ``lyanna-generate``, ``lyanna-bench``
+export reader then checks its fingerprint. Used by ``lyanna-generate``, ``lyanna-bench``
 and the scripts in ``bench/``.
 """
 
@@ -14,12 +14,12 @@ from ..errors import LyannaError
 
 def load_models(draft_dir: str | None, target_spec: str | None, need_draft: bool = True, threads: int | None = None):
     """(target, tokenizer, draft or None): the target is the one the draft was exported for
-    unless ``target_spec`` says otherwise (the loader then checks its fingerprint). Tuning
+    unless ``target_spec`` says otherwise (the export reader then checks its fingerprint). Tuning
     for the machine is the caller's next step (:func:`.cpu_tuning.tune`)."""
     from transformers.utils import logging as hf_logging
 
-    from ..export.loader import load_exported, read_manifest
-    from ..target.loading import load_tokenizer
+    from ..export.reader import load_exported, read_manifest
+    from ..target.source import load_tokenizer
     from ..target.model import load_target_model
 
     if threads is not None:

@@ -1,4 +1,4 @@
-"""The engine thread: the only code that touches the :class:`BatchDecoder`.
+"""The decode thread: the only code that touches the :class:`BatchDecoder`.
 
 HTTP handlers run on the event loop; decoding runs here, one ``step`` after another, for
 every request at once (continuous batching: requests join and leave between steps).
@@ -38,7 +38,7 @@ class Event:
 
 @dataclass(eq=False)
 class Job:
-    """One HTTP request's decoding; created on the event loop, fed by the engine thread."""
+    """One HTTP request's decoding; created on the event loop, fed by the decode thread."""
 
     prompt: list[int]
     max_tokens: int
@@ -52,7 +52,7 @@ class Job:
     disconnected: bool = False  # the client went away
 
     def post(self, event: Event) -> None:
-        """Called from the engine thread."""
+        """Called from the decode thread."""
         self.loop.call_soon_threadsafe(self.events.put_nowait, event)
 
 
@@ -111,7 +111,7 @@ class Engine:
                     self._step()
         except BaseException as err:  # noqa: BLE001 - the thread must tell the jobs before it dies
             self.failure = err
-            log.exception("engine thread stopped")
+            log.exception("decode thread stopped")
             self._fail_all(f"internal error: {type(err).__name__}: {err}")
 
     def _poll(self):
