@@ -41,7 +41,7 @@ from lyanna_train.target.capture import default_layer_ids
 from lyanna_train.runtime.cpu.tuning import tune
 from lyanna_train.runtime.served_models import load_models
 from lyanna_train.runtime.scheduling.scheduler import BatchDecoder
-from lyanna_train.runtime.settings import DecodeSettings
+from lyanna_train.runtime.settings import load_decode_settings
 
 
 def first_turns(corpus: str, count: int) -> list[tuple[str, list[dict]]]:
@@ -128,7 +128,7 @@ def main() -> int:
     sizes = [int(b) for b in args.batch_size.split(",")]
     target, tokenizer, draft = load_models(args.draft, args.target or (None if args.draft else "smollm2"),
                                            args.draft is not None)
-    decode = DecodeSettings()
+    decode = load_decode_settings("default")  # what data_tools/self_distill.py decodes with
     cost = tune(target, draft, shape=decode.tree, say=print)
     convs = first_turns(args.corpus, args.conversations)
     probe = SelfDistiller(BatchDecoder(target, None, decode, 1), tokenizer)

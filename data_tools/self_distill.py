@@ -53,6 +53,7 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--top-p", type=float, default=1.0)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    ap.add_argument("--decode", default="default", help="decoding settings: a conf/decode preset or a YAML file")
     cached = CacheSettings()  # the cache's defaults, declared there
     cache = ap.add_argument_group("features in the same pass (lyanna-train data.corpus=[OUT] data.cache_dir=DIR)")
     cache.add_argument("--features", type=Path, metavar="DIR",
@@ -87,7 +88,7 @@ def _run(args, corpus: Corpus, settings: GenerationSettings) -> int:
     from lyanna_train.runtime.cpu.tuning import tune
     from lyanna_train.runtime.served_models import load_models
     from lyanna_train.runtime.scheduling.scheduler import BatchDecoder
-    from lyanna_train.runtime.settings import DecodeSettings, SamplingParams
+    from lyanna_train.runtime.settings import SamplingParams, load_decode_settings
 
     refuse_evaluation_sets(corpus)
     target, tokenizer, draft = load_models(args.draft, args.target or (None if args.draft else "smollm2"),
@@ -97,7 +98,7 @@ def _run(args, corpus: Corpus, settings: GenerationSettings) -> int:
         layer_ids = _capture_layers(args, target, draft)
         output = _distilled_output(args, corpus, target, tokenizer, layer_ids)
     done = done_ids(args.out)
-    decode = DecodeSettings()
+    decode = load_decode_settings(args.decode)  # the shipped default: speculation on, lossless
     cost = tune(target, draft, shape=decode.tree, say=lambda line: print(line, file=sys.stderr, flush=True))
     decoder = BatchDecoder(target, draft, decode, max_batch=settings.batch_size, cost=cost, layer_ids=layer_ids,
                            record_features=output is not None)
