@@ -80,13 +80,15 @@ def one_pass_vs_two(target, tokenizer, draft, decode, cost, convs, args, batch: 
     """The same conversations regenerated with their features, at ``batch``: in one pass
     (the decoder records them, :class:`DistilledOutput`) against regeneration followed by
     the feature cache's build over its output (the teacher-forced pass)."""
-    import shutil
+    import tempfile
 
     layers = default_layer_ids(target.config.num_hidden_layers)
     settings = GenerationSettings(max_new_tokens=args.max_new_tokens, batch_size=batch)
-    work = args.out / "passes"
-    shutil.rmtree(work, ignore_errors=True)
-    work.mkdir(parents=True)
+    with tempfile.TemporaryDirectory(prefix="regeneration-passes-") as tmp:  # caches stay out of the results
+        return _passes(target, tokenizer, draft, decode, cost, convs, batch, settings, layers, Path(tmp))
+
+
+def _passes(target, tokenizer, draft, decode, cost, convs, batch, settings, layers, work: Path) -> dict:
     begin = time.perf_counter()
     distiller = SelfDistiller(BatchDecoder(target, draft, decode, batch, cost, layer_ids=layers), tokenizer, settings)
     append_jsonl(work / "two.jsonl", [to_sharegpt(r.cid, r.messages) for r in distiller.regenerate(convs)])
