@@ -67,7 +67,9 @@ class DistilledOutput:
                 raise LyannaError(f"feature cache {self.root}: shard {broken[0]} is damaged; "
                                   "regenerate into another --features directory")
         self.lines, self.position, self.skipped = state["lines"], state["next_position"], state["skipped_no_loss_tokens"]
-        prepare_cache_dir(self.root, self._manifest(), overwrite=False)  # refuses a cache made otherwise
+        manifest = self._manifest()
+        prepare_cache_dir(self.root, manifest, overwrite=False)  # refuses a cache made otherwise
+        self.shard_meta = {"target": manifest["target"]["fingerprint"], "layers": list(self.extractor.layer_ids)}
         remove_stale_temporaries(self.root, 0, 1)
         self._drop_unlisted_shards()
         cut_lines(self.jsonl, self.lines)
@@ -116,8 +118,7 @@ class DistilledOutput:
         append_jsonl(self.jsonl, self.records)
         if group is not None:
             planned = group.plan()
-            write_shard(self.root, planned, tensors, {"target": self._manifest()["target"]["fingerprint"],
-                                                      "layers": list(self.extractor.layer_ids)})
+            write_shard(self.root, planned, tensors, self.shard_meta)
             self.plan.append(planned)
         self.lines += len(self.records)
         self.records, self.group, self.recorded = [], None, {}
