@@ -25,8 +25,8 @@ from lyanna_train.runtime.scheduling.scheduler import generate
 from lyanna_train.runtime.settings import LookupSettings, TreeShape, load_decode_settings
 
 MIXES = {
-    "draft": LookupSettings(max_tokens=0),
-    "draft + lookup": LookupSettings(max_tokens=10),
+    "draft": LookupSettings(max_tokens=0, pool_tokens=0),
+    "draft + lookup": LookupSettings(max_tokens=10, pool_tokens=0),
     "draft + pool": LookupSettings(max_tokens=0, pool_tokens=10),
     "draft + lookup + pool": LookupSettings(max_tokens=10, pool_tokens=10),
 }
@@ -88,8 +88,8 @@ def main() -> None:
     for i, prompt in enumerate(prompts):  # speed, interleaved: verify auto as served
         names = ["plain", *MIXES]
         for name in names[i % len(names):] + names[:i % len(names)]:
-            settings = replace(base, tree=TreeShape(0, 1, 1, 0), lookup=LookupSettings(0), verify="auto") \
-                if name == "plain" else replace(base, lookup=MIXES[name], verify="auto")
+            settings = replace(base, tree=TreeShape(0, 1, 1, 0), lookup=LookupSettings(0, pool_tokens=0),
+                               verify="auto") if name == "plain" else replace(base, lookup=MIXES[name], verify="auto")
             out = generate(target, draft, prompt, args.max_new_tokens, settings, cost=cost)
             seconds[name] += out.wall_time
             tokens[name] += len(out.tokens)

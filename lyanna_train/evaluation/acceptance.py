@@ -6,7 +6,7 @@ from typing import Sequence
 
 from ..models.draft_head import DraftHead
 from ..runtime.scheduling.scheduler import generate
-from ..runtime.settings import DecodeSettings, TreeShape
+from ..runtime.settings import DecodeSettings, LookupSettings, TreeShape
 
 
 def accept_rates(accept_lengths: Sequence[int], depth: int) -> list[float]:
@@ -36,7 +36,8 @@ def mean_acceptance(target, draft: DraftHead, prompts: Sequence[Sequence[int]], 
     taus: list[int] = []
     tokens = forwards = 0
     wall = 0.0
-    settings = settings or DecodeSettings(tree=TreeShape(depth, 1, 1, depth), verify="all")  # the head's τ
+    settings = settings or DecodeSettings(tree=TreeShape(depth, 1, 1, depth),  # the head's τ: its chain alone
+                                          lookup=LookupSettings(max_tokens=0, pool_tokens=0), verify="all")
     for prompt in prompts:
         result = generate(target, draft, prompt, max_new_tokens, settings, eos_ids=eos_ids, layer_ids=layer_ids)
         taus += result.accept_lengths

@@ -20,7 +20,7 @@ from lyanna_train.errors import LyannaError
 from lyanna_train.evaluation import benchmark as B
 from lyanna_train.evaluation.prompts import Question, read_questions, render_prompt
 from lyanna_train.runtime.scheduling.requests import Request, Status
-from lyanna_train.runtime.settings import DecodeSettings, SamplingParams
+from lyanna_train.runtime.settings import DecodeSettings, LookupSettings, SamplingParams, TreeShape
 from ..tiny_models import H, byte_level_tokenizer, tiny_llama  # H: also test_batched_bench's
 
 QUESTIONS = [{"question_id": 1, "category": "writing", "turns": ["Write about tea.", "Now shorter."]},
@@ -135,6 +135,20 @@ def test_decode_presets_and_overrides():
         load_decode_settings("default", ["tree.depth=-1"])
     with pytest.raises(LyannaError, match="unknown decode preset 'nope'.*chain, default, lookup_only"):
         load_decode_settings("nope")
+
+
+def test_default_preset_is_the_dataclass_defaults_and_the_others_state_their_changes(tmp_path):
+    """Each field is declared once, in the dataclasses: default.yaml adds nothing, and an empty
+    or comment-only preset file loads to the defaults."""
+    assert load_decode_settings("default") == DecodeSettings()
+    for text in ("", "{}\n", "# only a comment\n"):
+        (tmp_path / "empty.yaml").write_text(text)
+        assert load_decode_settings(str(tmp_path / "empty.yaml")) == DecodeSettings()
+    assert load_decode_settings("chain") == DecodeSettings(tree=TreeShape(depth=5, branch=1, beam=1, max_nodes=5),
+                                                           lookup=LookupSettings(max_tokens=0, pool_tokens=0),
+                                                           verify="all")
+    assert load_decode_settings("lookup_only") == DecodeSettings(tree=TreeShape(depth=0, max_nodes=0),
+                                                                 lookup=LookupSettings(max_tokens=10, pool_tokens=0))
 
 
 def test_read_questions_accepts_every_prompt_form_and_names_a_bad_line(tmp_path):

@@ -57,7 +57,8 @@ def word_target(smollm2_tokenizer):
 
 
 def regenerate(model, tok, jsonl, root, batch: int, speculate: bool = True, convs=CONVS, stop_after=None):
-    decode = DecodeSettings() if speculate else DecodeSettings(lookup=LookupSettings(0))
+    # no draft: the shipped default speculates with prompt lookup alone
+    decode = DecodeSettings() if speculate else DecodeSettings(lookup=LookupSettings(0, pool_tokens=0))
     decoder = BatchDecoder(model, None, decode, max_batch=batch, layer_ids=LAYERS, record_features=True)
     settings = GenerationSettings(max_new_tokens=5, max_turns=2, batch_size=batch, max_prompt_tokens=200)
     distiller = SelfDistiller(decoder, tok, settings, record_features=True)

@@ -163,11 +163,13 @@ def test_full_vocabulary_head_without_a_map(tmp_path, target, smollm2_tokenizer,
 
 def test_imported_head_is_served_losslessly(tmp_path, target, smollm2_tokenizer):
     from lyanna_train.runtime.scheduling.scheduler import generate
+    from lyanna_train.runtime.settings import DecodeSettings, LookupSettings, TreeShape
 
     src = write_source(tmp_path / "src", make_head(target), "speculators")
     draft, _ = imported(tmp_path, src, target, smollm2_tokenizer)
     prompt = [5, 17, 33, 2, 90, 41]
-    out = generate(target, draft, prompt, 24, eos_ids=())
+    chain = DecodeSettings(TreeShape(5, 1, 1, 5), LookupSettings(0, pool_tokens=0))  # the imported head's drafts only
+    out = generate(target, draft, prompt, 24, chain, eos_ids=())
     reference = target.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False, eos_token_id=None,
                                 pad_token_id=0)[0, len(prompt):].tolist()
     assert out.tokens == reference and out.target_forwards <= 24

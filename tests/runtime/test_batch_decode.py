@@ -21,6 +21,7 @@ PROMPTS = [[1, 17, 200, 5, 99, 42, 7, 130, 64], [1], [1, 250, 3, 3, 3, 3, 8, 160
 MAX_NEW = [24, 17, 30, 9, 21]  # rows finish at different steps, and later prompts join as slots free
 SHAPES = {"plain": TreeShape(0, 1, 1, 0), "chain1": TreeShape(1, 1, 1, 1), "chain5": TreeShape(5, 1, 1, 5),
           "tree": TreeShape(4, 3, 2, 10), "wide": TreeShape(3, 4, 4, 30)}
+NO_LOOKUP = LookupSettings(max_tokens=0, pool_tokens=0)  # the defaults propose lookup and pool candidates
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +56,7 @@ def test_every_row_is_lossless(tiny_target, references, pool, shape, lookup):
 
 
 def test_lookup_alone_and_plain_decoding_are_lossless(tiny_target, references):
-    for lookup in (LookupSettings(), LookupSettings(6, branches=2)):
+    for lookup in (NO_LOOKUP, LookupSettings(6, branches=2, pool_tokens=0)):
         requests = _decode(tiny_target, None, DecodeSettings(TreeShape(0, 1, 1, 0), lookup, verify="all"), max_batch=4)
         assert [r.tokens for r in requests] == references
 
@@ -104,7 +105,7 @@ def test_rows_accepting_different_counts_roll_back_each_to_its_own_cut(tiny_targ
     fulls = {tuple(p): p + greedy_reference(tiny_target, p, n + depth + 1) for p, n in zip(PROMPTS, MAX_NEW)}
     schedules = {rid: [(rid * 3 + i) % (depth + 1) for i in range(40)] for rid in range(1, 6)}
     decoder = BatchDecoder(tiny_target, make_draft(tiny_target, True), DecodeSettings(TreeShape(depth, 1, 1, depth),
-                           verify="all"), max_batch=3, eos_ids=(), layer_ids=LAYER_IDS)
+                           NO_LOOKUP, verify="all"), max_batch=3, eos_ids=(), layer_ids=LAYER_IDS)
     monkeypatch.setattr(propose, "draft_trees", _batch_oracle(decoder, fulls, lambda rid, i: schedules[rid][i]))
     requests = [decoder.submit(p, n) for p, n in zip(PROMPTS, MAX_NEW)]
     for _ in decoder.run():
@@ -121,7 +122,7 @@ def test_rows_stop_at_their_own_eos_and_free_their_slots(tiny_target, references
     stops = [ref[min(5 + 2 * i, len(ref) - 1)] for i, ref in enumerate(references)]
     expected = [greedy_reference(tiny_target, p, n, eos=s) for p, n, s in zip(PROMPTS, MAX_NEW, stops)]
     decoder = BatchDecoder(tiny_target, make_draft(tiny_target, True), DecodeSettings(TreeShape(3, 2, 2, 6),
-                           LookupSettings(4), verify="all"), max_batch=2, layer_ids=LAYER_IDS)
+                           LookupSettings(4, pool_tokens=0), verify="all"), max_batch=2, layer_ids=LAYER_IDS)
     requests = [decoder.submit(p, n, eos_ids=[s]) for p, n, s in zip(PROMPTS, MAX_NEW, stops)]
     for _ in decoder.run():
         pass
@@ -157,8 +158,9 @@ def test_a_single_slot_is_reused_request_after_request(tiny_target, references):
 
 
 def test_bad_requests_fail_alone_with_a_clear_error(tiny_target, references):
-    decoder = BatchDecoder(tiny_target, make_draft(tiny_target, True), DecodeSettings(TreeShape(2, 2, 1, 3),
-                           LookupSettings(3), verify="all"), max_batch=3, eos_ids=(), layer_ids=LAYER_IDS)
+    settings = DecodeSettings(TreeShape(2, 2, 1, 3), LookupSettings(3, pool_tokens=0), verify="all")
+    decoder = BatchDecoder(tiny_target, make_draft(tiny_target, True), settings, max_batch=3, eos_ids=(),
+                           layer_ids=LAYER_IDS)
     limit = tiny_target.config.max_position_embeddings
     good = [decoder.submit(PROMPTS[0], MAX_NEW[0]), decoder.submit(PROMPTS[2], MAX_NEW[2])]
     empty = decoder.submit([], 8)
@@ -179,7 +181,7 @@ def test_bad_requests_fail_alone_with_a_clear_error(tiny_target, references):
 def test_a_prompt_near_the_context_end_stops_there(tiny_target):
     limit = tiny_target.config.max_position_embeddings
     prompt = (PROMPTS[0] * limit)[:limit - 5]
-    settings = DecodeSettings(TreeShape(4, 2, 2, 8), LookupSettings(6), verify="all")
+    settings = DecodeSettings(TreeShape(4, 2, 2, 8), LookupSettings(6, pool_tokens=0), verify="all")
     [request] = generate_batch(tiny_target, make_draft(tiny_target, True), [prompt], 20, settings, eos_ids=(),
                                layer_ids=LAYER_IDS)
     assert request.finish_reason == "context" and len(request.tokens) == 5

@@ -9,7 +9,7 @@ import torch
 
 from lyanna_train.runtime.drafting import propose
 from lyanna_train.runtime.scheduling.scheduler import BatchDecoder
-from lyanna_train.runtime.settings import DecodeSettings, SamplingParams, TreeShape
+from lyanna_train.runtime.settings import DecodeSettings, LookupSettings, SamplingParams, TreeShape
 from lyanna_train.runtime.verification.sampling import warp_probs
 
 from .conftest import LAYER_IDS, greedy_reference, make_draft
@@ -18,6 +18,7 @@ from .test_sampling import _within_noise
 PROMPT = [1, 17, 200, 5, 99, 42, 7, 130, 17, 200]
 K = 8  # top_k: the support of every row's first token, so p(x2 | x1) is needed for K prefixes only
 GROUPS = {"cold": SamplingParams(0.6, top_k=K), "hot": SamplingParams(1.5, top_k=K)}
+NO_LOOKUP = LookupSettings(max_tokens=0, pool_tokens=0)  # the defaults propose lookup and pool candidates
 
 
 def _next_logits(target, ids: list[int]) -> torch.Tensor:
@@ -58,8 +59,9 @@ def test_rows_with_different_temperatures_keep_their_own_distributions(tiny_targ
         joint[name] = torch.stack([p1[x1] * warp_probs(logits2[x1], params) if x1 in logits2 else
                                    torch.zeros_like(p1) for x1 in range(p1.shape[0])])
 
-    decoder = BatchDecoder(tiny_target, make_draft(tiny_target, True), DecodeSettings(TreeShape(1, 1, 1, 1),
-                           verify="all" if policy == "all" else "auto"), max_batch=12, eos_ids=(), layer_ids=LAYER_IDS)
+    settings = DecodeSettings(TreeShape(1, 1, 1, 1), NO_LOOKUP, verify="all" if policy == "all" else "auto")
+    decoder = BatchDecoder(tiny_target, make_draft(tiny_target, True), settings, max_batch=12, eos_ids=(),
+                           layer_ids=LAYER_IDS)
     monkeypatch.setattr(propose, "draft_trees", _likely_oracle(decoder, follow))
     monkeypatch.setattr(propose, "choose_drafting", lambda free, *_, **__: [i % 2 == 0 for i in range(len(free))])
     trials = 1500
@@ -88,7 +90,7 @@ def test_rows_with_different_temperatures_keep_their_own_distributions(tiny_targ
 def test_requests_sampled_with_the_same_seed_agree_and_other_seeds_differ(tiny_target):
     """A request's draws come from its own generator (seeded per request), whatever shares its batch."""
     decoder = BatchDecoder(tiny_target, make_draft(tiny_target, True), DecodeSettings(TreeShape(2, 2, 2, 4),
-                           verify="all"), max_batch=4, eos_ids=(), layer_ids=LAYER_IDS)
+                           NO_LOOKUP, verify="all"), max_batch=4, eos_ids=(), layer_ids=LAYER_IDS)
     params = SamplingParams(1.0)
     first = [decoder.submit(PROMPT, 12, params, seed=s) for s in (3, 4, 5)]
     for _ in decoder.run():

@@ -111,7 +111,7 @@ def test_decoding_times_nothing_and_weighs_the_given_cost(tiny_target, tiny_fitt
     target, draft = copy.deepcopy(tiny_target), tiny_fitted[True]
     expected = greedy_reference(target, [1, 17, 200, 5, 99], 20)
     monkeypatch.setattr(cpu_tuning, "target_timer", _no_timing)
-    settings = DecodeSettings(TreeShape(2, 2, 2, 4), LookupSettings(4))  # verify: auto
+    settings = DecodeSettings(TreeShape(2, 2, 2, 4), LookupSettings(4, pool_tokens=0))  # verify: auto
     flat = generate(target, draft, [1, 17, 200, 5, 99], 20, settings, eos_ids=(), layer_ids=LAYER_IDS)
     steep = Costs(VerifyCost([1, 2], [1.0, 100.0]), DraftCost.free())  # a second token costs 100x: never pays
     plain = generate(target, draft, [1, 17, 200, 5, 99], 20, settings, eos_ids=(), layer_ids=LAYER_IDS, cost=steep)

@@ -18,9 +18,10 @@ from .conftest import FIT_PROMPTS, LAYER_IDS, V, drafted_tokens, greedy_referenc
 
 PROMPTS = list(FIT_PROMPTS[:3])  # the fitted drafts know the target's continuations of these
 MAX_NEW = 24
+NO_LOOKUP = LookupSettings(max_tokens=0, pool_tokens=0)  # the defaults propose lookup and pool candidates
 
 
-def settings(tree: TreeShape, lookup: LookupSettings = LookupSettings()) -> DecodeSettings:
+def settings(tree: TreeShape, lookup: LookupSettings = NO_LOOKUP) -> DecodeSettings:
     """Every candidate verified: node counts must not depend on this machine's timings."""
     return DecodeSettings(tree, lookup, verify="all")
 
@@ -42,7 +43,8 @@ def test_prompt_lookup_alone_is_lossless_and_accepts_on_repetition():
                                            num_attention_heads=4, num_key_value_heads=2, initializer_range=0.02,
                                            eos_token_id=None, pad_token_id=0)).eval()
     prompt = PROMPTS[0]
-    out = generate(looping, None, prompt, 60, settings(TreeShape(0, 1, 1, 0), LookupSettings(6)), eos_ids=())
+    out = generate(looping, None, prompt, 60, settings(TreeShape(0, 1, 1, 0), LookupSettings(6, pool_tokens=0)),
+                   eos_ids=())
     assert out.tokens == greedy_reference(looping, prompt, 60)
     assert max(out.accept_lengths) == 7 and out.mean_acceptance > 1.5
 
@@ -82,8 +84,9 @@ def test_stops_after_eos_even_inside_an_accepted_run(tiny_target, tiny_fitted, m
 
 def test_streaming_sees_every_token_once(tiny_target, tiny_fitted):
     seen = []
-    out = generate(tiny_target, tiny_fitted[True], PROMPTS[2], 17, settings(TreeShape(4, 3, 2, 10), LookupSettings(3)),
-                   eos_ids=(), layer_ids=LAYER_IDS, on_tokens=seen.extend)
+    shape = settings(TreeShape(4, 3, 2, 10), LookupSettings(3, pool_tokens=0))
+    out = generate(tiny_target, tiny_fitted[True], PROMPTS[2], 17, shape, eos_ids=(), layer_ids=LAYER_IDS,
+                   on_tokens=seen.extend)
     assert seen == out.tokens and len(seen) == 17
     assert max(out.accept_lengths) > 1  # some iterations streamed several accepted tokens at once
 
@@ -106,7 +109,7 @@ def test_lossless_through_the_triton_kernels(tiny_target, tiny_fitted, monkeypat
     if not kernels.interpreter_ready():
         pytest.skip("needs triton and TRITON_INTERPRET=1 from the start (tests/conftest.py sets it without CUDA)")
     draft = tiny_fitted[True]
-    shape = settings(TreeShape(3, 2, 2, 6), LookupSettings(3))
+    shape = settings(TreeShape(3, 2, 2, 6), LookupSettings(3, pool_tokens=0))
     prompt = PROMPTS[2]
     reference = generate(tiny_target, draft, prompt, 12, shape, eos_ids=(), layer_ids=LAYER_IDS)
     monkeypatch.setattr(kernels, "use_triton", lambda backend, *tensors: True)

@@ -16,7 +16,7 @@ from lyanna_train.runtime.settings import DecodeSettings, LookupSettings, Sampli
 from .conftest import FIT_PROMPTS, LAYER_IDS, drafted_tokens
 
 MAX_NEW = [40, 1, 25, 33]  # one request ends at its first token: its last position needs the extra forward
-PLAIN = DecodeSettings(TreeShape(0, 1, 1, 0), LookupSettings(0), verify="all")
+PLAIN = DecodeSettings(TreeShape(0, 1, 1, 0), LookupSettings(0, pool_tokens=0), verify="all")
 SPECULATE = DecodeSettings(TreeShape(4, 2, 2, 8), LookupSettings(4, pool_tokens=4), verify="all")
 
 

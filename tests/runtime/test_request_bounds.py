@@ -7,14 +7,14 @@ from __future__ import annotations
 
 from lyanna_train.runtime.scheduling.requests import Status
 from lyanna_train.runtime.scheduling.scheduler import BatchDecoder
-from lyanna_train.runtime.settings import DecodeSettings, TreeShape
+from lyanna_train.runtime.settings import DecodeSettings, LookupSettings, TreeShape
 
 from .conftest import LAYER_IDS
 
 
 def _decoder(target):
-    return BatchDecoder(target, None, DecodeSettings(TreeShape(0, 1, 1, 0)), max_batch=2, eos_ids=(),
-                        layer_ids=LAYER_IDS)
+    plain = DecodeSettings(TreeShape(0, 1, 1, 0), LookupSettings(0, pool_tokens=0))
+    return BatchDecoder(target, None, plain, max_batch=2, eos_ids=(), layer_ids=LAYER_IDS)
 
 
 def test_a_budget_past_the_machines_memory_decodes_to_the_context_in_bounded_memory(tiny_target):

@@ -86,7 +86,7 @@ def test_speculative_sampling_matches_the_targets_next_two_tokens(tiny_target, p
     p1 = warp_probs(logits, params)
     draft = make_draft(tiny_target, pool)
     trials, first = 1500, torch.zeros_like(p1)
-    settings = [DecodeSettings(TreeShape(2, 2, 2, 4), LookupSettings(3), params, seed=s, verify="all")
+    settings = [DecodeSettings(TreeShape(2, 2, 2, 4), LookupSettings(3, pool_tokens=0), params, seed=s, verify="all")
                 for s in range(trials)]
     for s in settings:
         out = generate(tiny_target, draft, prompt, 1, s, eos_ids=(), layer_ids=LAYER_IDS)

@@ -71,7 +71,7 @@ def test_decoding_through_measured_linears_is_lossless(tiny_target, tiny_fitted,
     for forms in (small_batch_forms(target), small_batch_forms(draft)):
         forms[1:] = [(form, max(2, r + r % 2)) for r in range(1, MAX_ROWS + 1)]
     assert greedy_reference(target, [1, 17, 200, 5, 99], 24) == expected  # the baseline sees them too
-    settings = DecodeSettings(TreeShape(3, 2, 2, 6), LookupSettings(4), verify="all")
+    settings = DecodeSettings(TreeShape(3, 2, 2, 6), LookupSettings(4, pool_tokens=0), verify="all")
     out = generate(target, draft, [1, 17, 200, 5, 99], 24, settings, eos_ids=(), layer_ids=LAYER_IDS)
     assert out.tokens == expected and drafted_tokens(out) >= 6  # draft nodes verified through the forms, kept
 

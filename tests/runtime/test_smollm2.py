@@ -15,8 +15,9 @@ from lyanna_train.runtime.settings import DecodeSettings, LookupSettings, TreeSh
 @pytest.mark.slow
 def test_lossless_on_smollm2_with_accepted_draft_tokens(smollm2_fitted):
     target, draft = smollm2_fitted.target, smollm2_fitted.draft
-    chain = DecodeSettings(TreeShape(4, 1, 1, 4), verify="all")  # draft nodes only, every one verified
-    tree = DecodeSettings(TreeShape(3, 3, 3, 8), LookupSettings(5))  # verify: auto, with the measured costs
+    off = LookupSettings(0, pool_tokens=0)
+    chain = DecodeSettings(TreeShape(4, 1, 1, 4), off, verify="all")  # draft nodes only, every one verified
+    tree = DecodeSettings(TreeShape(3, 3, 3, 8), LookupSettings(5, pool_tokens=0))  # verify: auto, measured costs
     cost = tune(target, draft, shape=tree.tree, cache=False)  # as the CLIs run it
     for prompt, ref in zip(smollm2_fitted.prompts, smollm2_fitted.refs):
         out = generate(target, draft, prompt, len(ref), chain, eos_ids=())
