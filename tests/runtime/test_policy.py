@@ -8,9 +8,11 @@ import pytest
 import torch
 
 from lyanna_train.runtime.drafting import propose
-from lyanna_train.runtime.pricing.cost import Costs, DraftCost, VerifyCost
+from lyanna_train.runtime.pricing import cost as cost_module
+from lyanna_train.runtime.pricing.cost import Costs, DraftCost, MeasuredCosts, VerifyCost
 from lyanna_train.runtime.pricing.estimates import AcceptanceEstimates
-from lyanna_train.runtime.pricing.policy import choose_drafting
+from lyanna_train.runtime.pricing.policy import choose_drafting, fit_trees
+from lyanna_train.runtime.verification.tree import TokenTree
 from lyanna_train.runtime.scheduling.scheduler import BatchDecoder
 from lyanna_train.runtime.settings import DecodeSettings, LookupSettings, TreeShape
 
@@ -154,3 +156,57 @@ def test_a_rows_estimates_never_read_another_rows_acceptance(tiny_target, tiny_f
     assert [t == pytest.approx(u, rel=1e-5) for t, u in zip(a.head_samples, b.head_samples)] == [True] * len(a.head_samples)
     other = est_mixed[mixed[1].id]
     assert other.draft != pytest.approx(b.draft, rel=1e-2)  # the other row learned something else: this can fail
+
+
+def test_whole_iterations_rescale_plain_and_speculative_costs_apart_per_row_count():
+    """What iterations take, whole, moves the plain level and the speculative one apart,
+    each per row count (a row count not measured takes the nearest one's)."""
+    costs = MeasuredCosts(Costs(CPU_LIKE, DraftCost([1, 16], [4.0, 8.0])), memory=0.5)
+    assert costs.plain(16) == costs.verify_at(16)(16) == 37.0  # nothing measured: the tuned curve
+    costs.observe_iteration(16, 1, 0, seconds=74.0, draft_seconds=0.0)  # plain: 2x its tuned 37
+    costs.observe_iteration(16, 2, 16, seconds=68.0 + 8.0, draft_seconds=8.0)  # 32 tokens: 68 = 60 + 8 beside
+    assert costs.plain(16) == pytest.approx(74.0) and costs.verify_at(16)(32) == pytest.approx(68.0)
+    assert costs.plain(15) == pytest.approx(2.0 * costs.tuned.verify(15))  # the nearest row count's level
+    assert costs.draft(16) == pytest.approx(8.0)
+    costs.observe_iteration(4, 1, 0, seconds=25.0, draft_seconds=0.0)  # 4 rows: their own level
+    assert costs.plain(4) == pytest.approx(25.0) and costs.plain(16) == pytest.approx(74.0)
+    costs.observe_iteration(16, 1, 0, seconds=37.0, draft_seconds=0.0)  # a later plain one moves it by ``memory``
+    assert costs.plain(16) == pytest.approx(0.5 * 74.0 + 0.5 * 37.0)
+
+
+def test_speculation_stops_where_its_whole_iterations_cost_more_than_they_return():
+    """Bare forwards promise a gain (tokens 16 -> 32: 37 -> 45 ms for 1.8x the tokens);
+    measured whole iterations do not (a speculative one 2.2x its tuned cost, a plain one
+    as tuned): no row drafts, and candidates already proposed are not verified."""
+    tuned = Costs(VerifyCost([1, 16, 32, 64], [20.0, 37.0, 45.0, 80.0]), DraftCost([1, 16], [3.0, 8.0]))
+    good = [[[0.8]]] * 16
+    assert choose_drafting([[]] * 16, good, tuned) == [True] * 16
+    costs = MeasuredCosts(tuned, memory=1.0)
+    costs.observe_iteration(16, 1, 0, seconds=37.0, draft_seconds=0.0)
+    costs.observe_iteration(16, 2, 16, seconds=2.2 * 45.0 + 8.0, draft_seconds=8.0)
+    assert choose_drafting([[]] * 16, good, costs) == [False] * 16
+    trees = []
+    for _ in range(16):
+        tree = TokenTree.rooted_at(1)
+        tree.add_path([2], [0.8])
+        trees.append(tree)
+    assert [len(t) for t in fit_trees(trees, [None] * 16, tuned)] == [2] * 16
+    assert [len(t) for t in fit_trees(trees, [None] * 16, costs)] == [1] * 16
+
+
+def test_a_plain_iteration_is_measured_when_the_policy_stopped_choosing_one(tiny_target, tiny_fitted, monkeypatch):
+    """Where speculation always pays, every (PROBE_EVERY + 1)-th iteration is still plain (the
+    root alone): what plain decoding costs now is measured, not remembered. Lossless."""
+    monkeypatch.setattr(cost_module, "PROBE_EVERY", 5)  # the decode is ~18 iterations long
+    cheap = Costs(VerifyCost([1, 64], [10.0, 10.0]), DraftCost([1, 16], [0.001, 0.001]))
+    settings = DecodeSettings(TreeShape(3, 2, 2, 6), LookupSettings(4, pool_tokens=4), verify="auto")
+    decoder = BatchDecoder(tiny_target, tiny_fitted[True], settings, 1, cost=cheap, eos_ids=(), layer_ids=LAYER_IDS)
+    assert isinstance(decoder.batch.costs, MeasuredCosts)
+    decoder.batch.costs.plain_scales[1] = 100.0  # plain measured dear once: the policy would never choose it again
+    request = decoder.submit(PROMPTS[2], 60)
+    for _ in decoder.run():
+        pass
+    assert request.tokens == greedy_reference(tiny_target, PROMPTS[2], 60)
+    sizes = request.tree_sizes
+    assert len(sizes) > 12 and sizes[5] == sizes[11] == 1
+    assert all(size > 1 for i, size in enumerate(sizes[:11]) if i != 5)

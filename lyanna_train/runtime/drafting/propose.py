@@ -60,6 +60,16 @@ def add_free(tree: TokenTree, candidates: list[FreeCandidate], estimates: Accept
             learned.add(cand.source)
 
 
+def plain_rows(batch, rows: slice) -> list[TokenTree]:
+    """Every row of ``rows`` decodes plainly this iteration (its root alone, no draft): what
+    a due measurement of plain decoding's cost (:meth:`..pricing.cost.MeasuredCosts.plain_due`)
+    runs."""
+    for row in batch.rows[rows]:
+        row.drafted = False
+        row.estimates.idle_head(batch.settings.tree.depth)
+    return [TokenTree.rooted_at(row.last_token) for row in batch.rows[rows]]
+
+
 def propose_rows(batch, rows: slice) -> list[TokenTree]:
     """Every row of ``rows``'s candidate tree (``batch``: a :class:`..scheduling.batch.Batch`);
     sets each row's ``drafted``."""
@@ -91,6 +101,7 @@ def propose_rows(batch, rows: slice) -> list[TokenTree]:
         caught = sum(batch.draft_state.waiting(rows.start + i) for i in range(first, last) if drafting[i])
         start = time.perf_counter()
         catch_up_rows(draft, batch.draft_state, span, only)
+        batch.catch_up_seconds += time.perf_counter() - start
         if isinstance(batch.costs, MeasuredCosts):  # a one-off, not an iteration's cost: priced apart
             batch.costs.observe_catch_up(caught, time.perf_counter() - start)
         begin += time.perf_counter() - start

@@ -58,7 +58,7 @@ def best_count(probs: Sequence[float], cost: VerifyCost) -> int:
 
 
 def best_width(rows: Sequence[Sequence[float]], cost: VerifyCost, limit: int | None = None,
-               margin: float = 0.0) -> int:
+               margin: float = 0.0, plain: float | None = None) -> int:
     """Each row's candidate probabilities (in the order they would be verified) -> W, the
     tokens per row of ONE fused verify forward over all rows (the root included).
 
@@ -69,14 +69,15 @@ def best_width(rows: Sequence[Sequence[float]], cost: VerifyCost, limit: int | N
 
     — the batch's total token count is what the forward costs. With one row this is
     :func:`best_count` + 1. ``limit`` caps W; a width past 1 must beat plain decoding by
-    ``margin`` (the measured costs' error)."""
+    ``margin`` (the measured costs' error). ``plain``: the seconds of W = 1 where a plain
+    iteration is priced apart (:meth:`MeasuredCosts.plain`); default ``cost(rows)``."""
     most = max((len(p) for p in rows), default=0) + 1
     most = min(most, limit) if limit else most
     prefix = [[0.0] for _ in rows]
     for sums, probs in zip(prefix, rows):
         for p in probs[:most - 1]:
             sums.append(sums[-1] + p)
-    best, best_rate = 1, len(rows) / cost(len(rows)) * (1 + margin)
+    best, best_rate = 1, len(rows) / (cost(len(rows)) if plain is None else plain) * (1 + margin)
     for width in range(2, most + 1):
         expected = sum(1 + sums[min(width - 1, len(sums) - 1)] for sums in prefix)
         rate = expected / cost(len(rows) * width)
@@ -116,27 +117,58 @@ class Costs:
         so every row drafts and verifies its whole tree."""
         return cls(VerifyCost.flat(), DraftCost.free())
 
+    def verify_at(self, rows: int) -> VerifyCost:
+        """Seconds of a speculative iteration's fused verify per token count, ``rows`` rows."""
+        return self.verify
+
+    def plain(self, rows: int) -> float:
+        """Seconds of an iteration that speculates nothing: one token per row, no draft."""
+        return self.verify(rows)
+
 
 CLIP = 3.0  # the most one iteration's measurement moves a cost's scale towards, either way
+PROBE_EVERY = 32  # iterations after which a plain one is due if none was measured since
 
 
 class MeasuredCosts:
-    """The tuned costs rescaled by what this decoder's own iterations take.
+    """The tuned costs rescaled by what this decoder's own iterations take, whole.
 
-    The tuning times a verify of one row and a drafting iteration on random states; a real
-    batch also reads every row's cache, catches up rows that waited and keeps each row's
-    books, so at 16 rows on 2 CPU cores drafting took ~3x its tuned time. Each component
-    keeps an average of measured / tuned (weight ``memory`` for each new iteration) and
-    scales its whole curve by it: the curves' shapes come from the tuning, their levels
-    from the decoding itself."""
+    The tuning times bare forwards: the target's over N tokens of ONE row, a drafting
+    iteration on random states. A real iteration also reads every row's own cache,
+    proposes every row's free candidates, accepts, rolls the caches back and keeps each
+    row's books: at 16 rows on 2 CPU cores a speculative iteration took 1.7x a plain one
+    for 1.44x its tokens, where the bare forwards promised a gain. So every iteration is
+    timed from proposal to delivery, and the time beside the head's (timed apart)
+    rescales the verify curve: apart for plain iterations (one token per row, no draft)
+    and speculative ones, and per row count (what a row adds is not what a token adds:
+    the tuned curve is one row's), each an average of measured / tuned (weight ``memory``
+    for each new iteration); a row count not measured yet takes the nearest one's. The
+    curves' shapes come from the tuning, their levels from the decoding itself. Plain
+    iterations are the ones the policy may stop choosing: after ``PROBE_EVERY``
+    iterations without one, one is due (:meth:`plain_due`), so a stale plain level cannot
+    keep speculation on."""
 
     def __init__(self, tuned: Costs, memory: float = 0.2):
         self.tuned, self.memory = tuned, memory
-        self.verify_scale = self.draft_scale = 1.0
+        self.draft_scale = 1.0
+        self.plain_scales: dict[int, float] = {}  # rows -> measured / tuned, plain iterations
+        self.verify_scales: dict[int, float] = {}  # rows -> measured / tuned, speculative iterations
+        self.since_plain = 0  # iterations since the last plain one
         self.anchor = tuned.anchor  # a catch-up's seconds per anchor, measured as catch-ups happen
 
-    def verify(self, tokens: int) -> float:
-        return self.verify_scale * self.tuned.verify(tokens)
+    @staticmethod
+    def _scale(scales: dict[int, float], rows: int, default: float = 1.0) -> float:
+        if rows in scales:
+            return scales[rows]
+        return scales[min(scales, key=lambda r: (abs(r - rows), r))] if scales else default
+
+    def verify_at(self, rows: int):
+        scale = self._scale(self.verify_scales, rows)
+        return lambda tokens: scale * self.tuned.verify(tokens)
+
+    def plain(self, rows: int) -> float:
+        """Before any plain iteration is measured, the tuned level: cheap, so one is tried."""
+        return self._scale(self.plain_scales, rows) * self.tuned.verify(rows)
 
     def draft(self, rows: int) -> float:
         return self.draft_scale * self.tuned.draft(rows)
@@ -145,12 +177,23 @@ class MeasuredCosts:
     def sizes(self) -> list[int]:
         return self.tuned.verify.sizes
 
-    def observe_verify(self, tokens: int, seconds: float) -> None:
-        self.verify_scale = self._blend(self.verify_scale, seconds, self.tuned.verify(tokens))
+    def plain_due(self) -> bool:
+        """Whether the next iteration should be plain, to measure what plain decoding costs now."""
+        return self.since_plain >= PROBE_EVERY
 
-    def observe_draft(self, rows: int, seconds: float) -> None:
-        if rows:
-            self.draft_scale = self._blend(self.draft_scale, seconds, self.tuned.draft(rows))
+    def observe_iteration(self, rows: int, width: int, drafted: int, seconds: float, draft_seconds: float) -> None:
+        """One whole iteration: ``rows`` rows verified ``width`` tokens each, ``drafted`` of
+        them drafted, in ``seconds`` of which ``draft_seconds`` were the head's."""
+        rest = max(seconds - draft_seconds, 0.0)
+        plain = width == 1 and not drafted
+        self.since_plain = 0 if plain else self.since_plain + 1
+        scales = self.plain_scales if plain else self.verify_scales
+        tuned = self.tuned.verify(rows * width)
+        if tuned > 0:
+            ratio = min(max(rest / tuned, 1 / CLIP), CLIP)
+            scales[rows] = scales[rows] + self.memory * (ratio - scales[rows]) if rows in scales else ratio
+        if drafted:
+            self.draft_scale = self._blend(self.draft_scale, draft_seconds, self.tuned.draft(drafted))
 
     def observe_catch_up(self, anchors: int, seconds: float) -> None:
         if anchors and self.tuned.anchor > 0:

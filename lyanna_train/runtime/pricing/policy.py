@@ -29,7 +29,7 @@ from typing import Sequence
 import torch
 
 from ..verification.tree import TokenTree
-from .cost import Costs, VerifyCost, best_width
+from .cost import Costs, best_width
 
 
 def _prefix(probs: Sequence[float], most: int) -> list[float]:
@@ -58,22 +58,30 @@ def choose_drafting(free: Sequence[Sequence[float]], head: Sequence[Sequence[Seq
     most = 1 + max(len(f) + max((len(t) for t in h or [()]), default=0) for f, h in zip(free, head))
     most = min(most, limit) if limit else most
     samples = max(len(head[r]) for r in drafting)
-    alone = torch.tensor([_prefix(f, most - 1) for f in free], dtype=torch.float64)  # [R, W]
-    gain = torch.zeros(samples, rows, most, dtype=torch.float64)  # [K, R, W]: what the head adds at width W
-    for r in drafting:
-        trees = head[r]
+    alone_rows = [_prefix(f, most - 1) for f in free]
+    alone = torch.tensor(alone_rows, dtype=torch.float64)  # [R, W]
+    nothing = [0.0] * most
+    gain_rows = [[nothing] * rows for _ in range(samples)]  # [K][R][W]: what the head adds at width W
+    for r in drafting:  # Python lists, one tensor at the end: at 16 rows, a tensor per row and tree cost ~5 ms
+        per_tree = [[b - a for b, a in zip(_prefix(list(free[r]) + list(tree), most - 1), alone_rows[r])]
+                    for tree in head[r]]
         for k in range(samples):  # a row with fewer kept trees repeats them
-            both = _prefix(list(free[r]) + list(trees[k % len(trees)]), most - 1)
-            gain[k, r] = torch.tensor(both, dtype=torch.float64) - alone[r]
-    order = sorted(drafting, key=lambda r: -float(gain[:, r].mean()))
+            gain_rows[k][r] = per_tree[k % len(per_tree)]
+    gain = torch.tensor(gain_rows, dtype=torch.float64)  # [K, R, W]
+    means = gain.mean(dim=(0, 2)).tolist()
+    order = sorted(drafting, key=lambda r: -means[r])
     widths = torch.arange(1, most + 1)
-    verify = torch.tensor([costs.verify(rows * int(w)) for w in widths], dtype=torch.float64)
+    curve = costs.verify_at(rows)
+    verify = torch.tensor([curve(rows * int(w)) for w in widths], dtype=torch.float64)
+    plain = costs.plain(rows)  # nobody drafts, one token per row: a plain iteration, priced apart
     base = rows + alone.sum(0)  # [W]: every row's own token plus its free candidates
     added = torch.cumsum(gain[:, order], dim=1)  # [K, s, W]: the s best rows' head, for s = 1..
     totals = torch.cat([torch.zeros(samples, 1, most, dtype=torch.float64), added], dim=1) + base  # [K, s + 1, W]
     catch_up = [0.0] + list(accumulate((behind[r] if behind else 0) * costs.anchor / CATCH_UP_HORIZON for r in order))
     draft = torch.tensor([costs.draft(s) + catch_up[s] for s in range(len(order) + 1)], dtype=torch.float64)
-    rates = totals / (draft[None, :, None] + verify[None, None, :])  # [K, s + 1, W]
+    seconds = draft[:, None] + verify[None, :]  # [s + 1, W]
+    seconds[0, 0] = plain
+    rates = totals / seconds[None]  # [K, s + 1, W]
     rates[:, :, 1:] /= 1 + margin  # speculation has to beat plain decoding (s = 0, W = 1) by the margin
     rates[:, 1:, 0] /= 1 + margin
     rates = rates.amax(dim=2).mean(dim=0)  # [s + 1]
@@ -82,16 +90,18 @@ def choose_drafting(free: Sequence[Sequence[float]], head: Sequence[Sequence[Seq
     return [r in chosen for r in range(rows)]
 
 
-def fit_trees(trees: list[TokenTree], room: Sequence[int | None], cost: VerifyCost | None,
-              shallow_first: bool = False, margin: float = 0.0) -> list[TokenTree]:
+def fit_trees(trees: list[TokenTree], room: Sequence[int | None], costs: Costs | None,
+              shallow_first: bool = False, margin: float = 0.0, drafted: bool = False) -> list[TokenTree]:
     """The nodes each row verifies: no node past its row's ``room`` (depths left in the
-    target's context, None: unbounded); with a ``cost`` (``verify: auto``) the best W - 1
-    of every row, W chosen for the whole fused forward."""
+    target's context, None: unbounded); with ``costs`` (``verify: auto``) the best W - 1
+    of every row, W chosen for the whole fused forward (W = 1 priced as a plain iteration
+    unless a row ``drafted``: then the iteration is a speculative one whatever W)."""
     trees = [tree if depth is None else _within_depth(tree, depth) for tree, depth in zip(trees, room)]
-    if cost is None:
+    if costs is None:
         return trees
     ranked = [tree.ranked(shallow_first) for tree in trees]
-    width = best_width([[tree.probs[n] for n in order] for tree, order in zip(trees, ranked)], cost, margin=margin)
+    width = best_width([[tree.probs[n] for n in order] for tree, order in zip(trees, ranked)], costs.verify_at(len(trees)),
+                       margin=margin, plain=None if drafted else costs.plain(len(trees)))
     return [tree.best(width - 1, shallow_first) for tree in trees]
 
 

@@ -64,7 +64,8 @@ class Batch:
     max_positions: int | None  # the target's context (None: unbounded)
     rows: list[Row] = field(default_factory=list)
     width_limit: int | None = None  # most tokens per row a fused verify takes (the measured range)
-    draft_seconds: float = 0.0  # the head's work in the current iteration (catch-up, trees, step 0)
+    draft_seconds: float = 0.0  # the head's work in the current iteration (trees, step 0)
+    catch_up_seconds: float = 0.0  # its catch-up of rows that waited (a one-off, priced apart)
     recorder: object = None  # a FeatureRecorder (:mod:`..verification.recording`): every accepted token's features
 
 

@@ -36,7 +36,7 @@ import torch
 
 from ...models.draft_head import DraftHead
 from ...target.capture import LayerCapture
-from ..drafting.propose import propose_rows
+from ..drafting.propose import plain_rows, propose_rows
 from ..drafting.state import BatchDraftState
 from ..pricing.cost import Costs, MeasuredCosts
 from ..pricing.estimates import AcceptanceEstimates
@@ -99,6 +99,7 @@ class BatchDecoder:
         self._blocks: list[slice] = []  # micro-batches of the current hold cycle still to draft
         self._held: list[TokenTree] = []  # their drafted trees, rows 0.. in order
         self._ids = 0
+        self._began: float | None = None  # when the current (unheld) iteration began: it is timed whole
 
     @property
     def rows(self) -> list[Row]:
@@ -154,7 +155,9 @@ class BatchDecoder:
                 self._free_done()
             if self.rows and self.fusion.micro_batches == 1:
                 rows = slice(0, len(self.rows))
-                self._verify(rows, propose_rows(self.batch, rows), updates)
+                self._began = time.perf_counter()
+                probe = isinstance(self.batch.costs, MeasuredCosts) and self.batch.costs.plain_due()
+                self._verify(rows, plain_rows(self.batch, rows) if probe else propose_rows(self.batch, rows), updates)
             elif self.rows:
                 self._hold_step(updates)
             if not self._blocks:
@@ -188,22 +191,28 @@ class BatchDecoder:
     def _verify(self, rows: slice, trees: list[TokenTree], updates: list[Update]) -> None:
         active = self.rows[rows]
         room = [None if self.batch.max_positions is None else self.batch.max_positions - row.length for row in active]
-        verify = self.batch.costs.verify if self.batch.settings.verify != "all" else None
-        trees = fit_trees(trees, room, verify, self.fusion.shallow_first, self.batch.settings.margin)
+        costs = self.batch.costs if self.batch.settings.verify != "all" else None
+        drafted = sum(row.drafted for row in active)
+        trees = fit_trees(trees, room, costs, self.fusion.shallow_first, self.batch.settings.margin, drafted > 0)
         begin = time.perf_counter()
         logits, aux = verify_rows(self.batch, rows, trees)
         verified = time.perf_counter() - begin
         news = accept_rows(self.batch, rows, trees, logits, aux)
-        if isinstance(self.batch.costs, MeasuredCosts):  # what this iteration took, for the next ones' choices
-            self.batch.costs.observe_verify(len(trees) * max(len(t) for t in trees), verified)
-            self.batch.costs.observe_draft(sum(row.drafted for row in active), self.batch.draft_seconds)
-        self.batch.draft_seconds = 0.0
         for row, tree, new in zip(active, trees, news):
             row.request.target_forwards += 1
             row.request.accept_lengths.append(len(new))
             row.request.tree_sizes.append(len(tree))
             if not row.request.done:  # cancelled mid hold-cycle: verified with the others, nothing delivered
                 updates.append(self._deliver(row, new))
+        if isinstance(self.batch.costs, MeasuredCosts):  # what this iteration took, for the next ones' choices
+            # whole, from proposal to delivery, but a catch-up (a one-off, priced apart); a hold
+            # cycle's iteration spans steps: its verify and drafting only
+            seconds = time.perf_counter() - self._began - self.batch.catch_up_seconds if self._began is not None \
+                else verified + self.batch.draft_seconds
+            self.batch.costs.observe_iteration(len(trees), max(len(t) for t in trees), drafted, seconds,
+                                               self.batch.draft_seconds)
+        self.batch.draft_seconds = self.batch.catch_up_seconds = 0.0
+        self._began = None
 
     def _hold_step(self, updates: list[Update]) -> None:
         """Draft the next micro-batch; when every block of the cycle is drafted, verify all."""
