@@ -4,6 +4,8 @@ each row's estimates learned from its own acceptance only."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -210,3 +212,9 @@ def test_a_plain_iteration_is_measured_when_the_policy_stopped_choosing_one(tiny
     sizes = request.tree_sizes
     assert len(sizes) > 12 and sizes[5] == sizes[11] == 1
     assert all(size > 1 for i, size in enumerate(sizes[:11]) if i != 5)
+    fit = BatchDecoder(tiny_target, tiny_fitted[True], replace(settings, verify="fit"), 1, cost=cheap, eos_ids=(),
+                       layer_ids=LAYER_IDS)  # "fit" drafts for every row, always: no plain iteration is due
+    request = fit.submit(PROMPTS[2], 60)
+    for _ in fit.run():
+        pass
+    assert all(size > 1 for size in request.tree_sizes[:11])

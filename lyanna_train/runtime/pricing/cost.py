@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from bisect import bisect_left
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 
 class VerifyCost:
@@ -57,7 +57,7 @@ def best_count(probs: Sequence[float], cost: VerifyCost) -> int:
     return best
 
 
-def best_width(rows: Sequence[Sequence[float]], cost: VerifyCost, limit: int | None = None,
+def best_width(rows: Sequence[Sequence[float]], cost: Callable[[int], float], limit: int | None = None,
                margin: float = 0.0, plain: float | None = None) -> int:
     """Each row's candidate probabilities (in the order they would be verified) -> W, the
     tokens per row of ONE fused verify forward over all rows (the root included).
@@ -162,7 +162,7 @@ class MeasuredCosts:
             return scales[rows]
         return scales[min(scales, key=lambda r: (abs(r - rows), r))] if scales else default
 
-    def verify_at(self, rows: int):
+    def verify_at(self, rows: int) -> Callable[[int], float]:
         scale = self._scale(self.verify_scales, rows)
         return lambda tokens: scale * self.tuned.verify(tokens)
 

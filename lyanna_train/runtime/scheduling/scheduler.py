@@ -156,7 +156,8 @@ class BatchDecoder:
             if self.rows and self.fusion.micro_batches == 1:
                 rows = slice(0, len(self.rows))
                 self._began = time.perf_counter()
-                probe = isinstance(self.batch.costs, MeasuredCosts) and self.batch.costs.plain_due()
+                probe = self.batch.settings.verify == "auto" and isinstance(self.batch.costs, MeasuredCosts) \
+                    and self.batch.costs.plain_due()  # "fit" and "all" draft for every row, always
                 self._verify(rows, plain_rows(self.batch, rows) if probe else propose_rows(self.batch, rows), updates)
             elif self.rows:
                 self._hold_step(updates)
