@@ -101,10 +101,11 @@ def propose_rows(batch, rows: slice) -> list[TokenTree]:
         caught = sum(batch.draft_state.waiting(rows.start + i) for i in range(first, last) if drafting[i])
         start = time.perf_counter()
         catch_up_rows(draft, batch.draft_state, span, only)
-        batch.catch_up_seconds += time.perf_counter() - start
+        spent = time.perf_counter() - start
+        batch.catch_up_seconds += spent
         if isinstance(batch.costs, MeasuredCosts):  # a one-off, not an iteration's cost: priced apart
-            batch.costs.observe_catch_up(caught, time.perf_counter() - start)
-        begin += time.perf_counter() - start
+            batch.costs.observe_catch_up(caught, spent)
+        begin += spent
         for i in range(first, last):  # caught up now: the pool's continuation too
             if drafting[i] and behind[i] and settings.lookup.pool_tokens:
                 frees[i] += free_candidates(active[i].context, active[i].length, LookupSettings(max_tokens=0,

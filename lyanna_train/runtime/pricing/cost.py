@@ -189,9 +189,10 @@ class MeasuredCosts:
         self.since_plain = 0 if plain else self.since_plain + 1
         scales = self.plain_scales if plain else self.verify_scales
         tuned = self.tuned.verify(rows * width)
-        if tuned > 0:
-            ratio = min(max(rest / tuned, 1 / CLIP), CLIP)
-            scales[rows] = scales[rows] + self.memory * (ratio - scales[rows]) if rows in scales else ratio
+        if rows in scales:
+            scales[rows] = self._blend(scales[rows], rest, tuned)
+        elif tuned > 0:  # a row count's first measurement is its level
+            scales[rows] = _clipped(rest / tuned)
         if drafted:
             self.draft_scale = self._blend(self.draft_scale, draft_seconds, self.tuned.draft(drafted))
 
@@ -206,4 +207,8 @@ class MeasuredCosts:
         does not take it over (one such catch-up once read 11x its steady cost)."""
         if tuned <= 0:
             return scale
-        return scale + self.memory * (min(max(seconds / tuned, 1 / CLIP), CLIP) - scale)
+        return scale + self.memory * (_clipped(seconds / tuned) - scale)
+
+
+def _clipped(ratio: float) -> float:
+    return min(max(ratio, 1 / CLIP), CLIP)
