@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from lyanna_train.models.state_pool import unit
+from lyanna_train.runtime.drafting import state as state_module
 from lyanna_train.runtime.drafting import tree as tree_module
 from lyanna_train.runtime.drafting.pool_lookup import pool_continuation
 from lyanna_train.runtime.drafting.state import BatchDraftState, catch_up_rows, extend_rows
@@ -101,10 +102,14 @@ def test_each_row_drafts_what_it_drafts_alone(tiny_target, pool, shape):
             assert len(b) > 1
 
 
+@pytest.mark.parametrize("alone", [16, 7], ids=["padded", "long-alone"])
 @pytest.mark.parametrize("pool", [True, False], ids=["pool", "no-pool"])
-def test_deferred_step0_caught_up_in_one_forward_is_what_each_row_gets_alone(tiny_target, pool):
-    """Drafting backed off for rounds 1-3: each row's anchors wait in its backlog, then one
-    forward over all of them leaves caches, pool and anchor as the eager extensions would."""
+def test_deferred_step0_caught_up_in_one_forward_is_what_each_row_gets_alone(tiny_target, pool, alone, monkeypatch):
+    """Drafting backed off for rounds 1-3: each row's anchors wait in its backlog (7, 8 and
+    10 anchors), then the catch-up leaves caches, pool and anchor as the eager extensions
+    would: in one padded forward, or (``ALONE`` 7) rows 1 and 2 each in a forward of its own
+    and row 0 in the padded one."""
+    monkeypatch.setattr(state_module, "ALONE", alone)
     draft = make_draft(tiny_target, pool)
     with torch.inference_mode():
         batched, _, trees_b, trees_a = _run_both(draft, TreeShape(3, 3, 2, 8), deferred=(1, 2, 3))

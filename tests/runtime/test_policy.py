@@ -13,7 +13,7 @@ from lyanna_train.runtime.drafting import propose
 from lyanna_train.runtime.pricing import cost as cost_module
 from lyanna_train.runtime.pricing.cost import Costs, DraftCost, MeasuredCosts, VerifyCost
 from lyanna_train.runtime.pricing.estimates import AcceptanceEstimates
-from lyanna_train.runtime.pricing.policy import choose_drafting, fit_trees
+from lyanna_train.runtime.pricing.policy import choose_drafting, drain_weights, fit_trees
 from lyanna_train.runtime.verification.tree import TokenTree
 from lyanna_train.runtime.scheduling.scheduler import BatchDecoder
 from lyanna_train.runtime.settings import DecodeSettings, LookupSettings, TreeShape
@@ -218,3 +218,49 @@ def test_a_plain_iteration_is_measured_when_the_policy_stopped_choosing_one(tiny
     for _ in fit.run():
         pass
     assert all(size > 1 for size in request.tree_sizes[:11])
+
+
+def test_a_draining_batch_speculates_for_the_rows_behind():
+    """Nothing waits: a token of a row with 2 tokens left is worth an eighth of one with 16
+    left. Where every row drafts at equal worth, the rows ahead stop drafting and the row
+    behind still does; a verify width that only the rows ahead would fill is not paid for."""
+    assert drain_weights([16, 4, 16, 0]) == [1.0, 0.25, 1.0, 1 / 16]
+    assert drain_weights([]) == []
+    costs = Costs(CPU_LIKE, DraftCost([1, 4], [2.0, 14.0]))
+    head = [[[0.9, 0.8]]] * 4
+    assert choose_drafting([[]] * 4, head, costs) == [True] * 4
+    assert choose_drafting([[]] * 4, head, costs, weights=drain_weights([16, 2, 2, 2])) == [True, False, False, False]
+    cheap_second = Costs(VerifyCost([1, 4, 8], [20.0, 20.0, 26.0]), DraftCost.free())
+    trees = [TokenTree.rooted_at(1) for _ in range(4)]
+    for tree in trees[1:]:  # the row behind (0) got no candidate
+        tree.add(0, 2, 0.5)
+    assert [len(t) for t in fit_trees(trees, [None] * 4, cheap_second, drafted=True)] == [1, 2, 2, 2]
+    worth = drain_weights([16, 1, 1, 1])
+    assert [len(t) for t in fit_trees(trees, [None] * 4, cheap_second, drafted=True, weights=worth)] == [1] * 4
+
+
+def test_a_draining_batch_weighs_its_rows_by_tokens_left_and_stays_lossless(tiny_target, tiny_fitted, monkeypatch):
+    """While requests wait every row's token is worth the same; once none wait, each row's
+    worth is its tokens left over the most any row has left. Greedy output stays the
+    target's own."""
+    seen = []
+    choose = propose.choose_drafting
+
+    def spy(*args, weights=None, **kwargs):
+        seen.append(None if weights is None else list(weights))
+        return choose(*args, weights=weights, **kwargs)
+
+    monkeypatch.setattr(propose, "choose_drafting", spy)
+    cheap = Costs(VerifyCost([1, 64], [10.0, 10.0]), DraftCost([1, 16], [0.001, 0.001]))
+    settings = DecodeSettings(TreeShape(3, 2, 2, 6), LookupSettings(4, pool_tokens=4), verify="auto")
+    decoder = BatchDecoder(tiny_target, tiny_fitted[True], settings, 2, cost=cheap, eos_ids=(), layer_ids=LAYER_IDS)
+    budgets = [24, 8, 16]
+    requests = [decoder.submit(p, n) for p, n in zip(PROMPTS[:3], budgets)]
+    for _ in decoder.run():
+        pass
+    for request, prompt, n in zip(requests, PROMPTS, budgets):
+        assert request.tokens == greedy_reference(tiny_target, prompt, n)
+    assert seen[0] is None  # the third request waited
+    draining = [w for w in seen if w is not None]
+    assert draining and all(max(w) == 1.0 for w in draining)
+    assert any(len(w) == 2 and min(w) < 1.0 for w in draining)

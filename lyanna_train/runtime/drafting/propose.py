@@ -91,7 +91,8 @@ def propose_rows(batch, rows: slice) -> list[TokenTree]:
             head = [row.estimates.expected_head(shape.depth, shape.max_nodes) for row in active]
             waiting = [batch.draft_state.waiting(slot) for slot in range(rows.start, rows.stop)]
             drafting = choose_drafting([[p for c in f for p in c.probs] for f in frees], head,
-                                       batch.costs, limit=batch.width_limit, margin=settings.margin, behind=waiting)
+                                       batch.costs, limit=batch.width_limit, margin=settings.margin, behind=waiting,
+                                       weights=batch.weights[rows] if batch.weights is not None else None)
     if any(drafting):
         begin = time.perf_counter()
         first = drafting.index(True)

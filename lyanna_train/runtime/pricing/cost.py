@@ -58,7 +58,7 @@ def best_count(probs: Sequence[float], cost: VerifyCost) -> int:
 
 
 def best_width(rows: Sequence[Sequence[float]], cost: Callable[[int], float], limit: int | None = None,
-               margin: float = 0.0, plain: float | None = None) -> int:
+               margin: float = 0.0, plain: float | None = None, weights: Sequence[float] | None = None) -> int:
     """Each row's candidate probabilities (in the order they would be verified) -> W, the
     tokens per row of ONE fused verify forward over all rows (the root included).
 
@@ -70,16 +70,18 @@ def best_width(rows: Sequence[Sequence[float]], cost: Callable[[int], float], li
     — the batch's total token count is what the forward costs. With one row this is
     :func:`best_count` + 1. ``limit`` caps W; a width past 1 must beat plain decoding by
     ``margin`` (the measured costs' error). ``plain``: the seconds of W = 1 where a plain
-    iteration is priced apart (:meth:`MeasuredCosts.plain`); default ``cost(rows)``."""
+    iteration is priced apart (:meth:`MeasuredCosts.plain`); default ``cost(rows)``.
+    ``weights``: what a token of each row is worth (None: 1 each)."""
+    worth = list(weights) if weights is not None else [1.0] * len(rows)
     most = max((len(p) for p in rows), default=0) + 1
     most = min(most, limit) if limit else most
     prefix = [[0.0] for _ in rows]
     for sums, probs in zip(prefix, rows):
         for p in probs[:most - 1]:
             sums.append(sums[-1] + p)
-    best, best_rate = 1, len(rows) / (cost(len(rows)) if plain is None else plain) * (1 + margin)
+    best, best_rate = 1, sum(worth) / (cost(len(rows)) if plain is None else plain) * (1 + margin)
     for width in range(2, most + 1):
-        expected = sum(1 + sums[min(width - 1, len(sums) - 1)] for sums in prefix)
+        expected = sum(w * (1 + sums[min(width - 1, len(sums) - 1)]) for w, sums in zip(worth, prefix))
         rate = expected / cost(len(rows) * width)
         if rate > best_rate:
             best, best_rate = width, rate

@@ -40,7 +40,7 @@ from ..drafting.propose import plain_rows, propose_rows
 from ..drafting.state import BatchDraftState
 from ..pricing.cost import Costs, MeasuredCosts
 from ..pricing.estimates import AcceptanceEstimates
-from ..pricing.policy import fit_trees
+from ..pricing.policy import drain_weights, fit_trees
 from ..settings import DecodeSettings, FusionSettings, SamplingParams
 from ..verification.recording import FeatureRecorder, unclosed
 from ..verification.step import accept_rows, verify_rows
@@ -153,6 +153,7 @@ class BatchDecoder:
             self._admit(updates)
             if not self._blocks:  # mid hold-cycle, rows stay in place until it is verified
                 self._free_done()
+            self.batch.weights = None if self.waiting else drain_weights([self._left(row) for row in self.rows])
             if self.rows and self.fusion.micro_batches == 1:
                 rows = slice(0, len(self.rows))
                 self._began = time.perf_counter()
@@ -194,7 +195,8 @@ class BatchDecoder:
         room = [None if self.batch.max_positions is None else self.batch.max_positions - row.length for row in active]
         costs = self.batch.costs if self.batch.settings.verify != "all" else None
         drafted = sum(row.drafted for row in active)
-        trees = fit_trees(trees, room, costs, self.fusion.shallow_first, self.batch.settings.margin, drafted > 0)
+        weights = self.batch.weights[rows] if self.batch.weights is not None else None
+        trees = fit_trees(trees, room, costs, self.fusion.shallow_first, self.batch.settings.margin, drafted > 0, weights)
         begin = time.perf_counter()
         logits, aux = verify_rows(self.batch, rows, trees)
         verified = time.perf_counter() - begin
@@ -226,6 +228,11 @@ class BatchDecoder:
         if not self._blocks:
             self._verify(slice(0, len(self._held)), self._held, updates)
             self._held = []
+
+    def _left(self, row: Row) -> int:
+        """The most tokens ``row`` can still deliver (its budget, the target's context)."""
+        left = row.request.max_new_tokens - len(row.request.tokens)
+        return left if self.batch.max_positions is None else min(left, self.batch.max_positions - row.length)
 
     def _deliver(self, row: Row, new: list[int]) -> Update:
         """Append a row's new tokens to its request (cut at EOS / its token budget)."""
