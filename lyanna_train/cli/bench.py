@@ -44,6 +44,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "turns, all submitted at once; methods then default to target,plain,lookup,head,pool-off,lyanna "
                    "(target: generate with left padding; plain: our runtime without speculation; lookup / head: "
                    "that source alone for every row; pool-off: the head without pool and α-gate)")
+    p.add_argument("--passes", type=int, default=1, metavar="N",
+                   help="with --batch-size: run every method N times, interleaved, and report each one's median pass "
+                   "(a shared or throttled machine drifts by more than the ratios tell apart; default 1)")
     p.add_argument("--hold", default="", metavar="K,K,...",
                    help="with --batch-size: also lyanna with verification held for K micro-batches (e.g. 2,3)")
     p.add_argument("--out", help="output directory (default checkpoints/bench-<draft>-<prompts>); replaced at the end")
@@ -165,6 +168,8 @@ def _batched_main(args) -> int:
     holds = _int_list(args.hold, "--hold", 2)
     if not sizes:
         raise LyannaError("--batch-size needs at least one size")
+    if args.passes < 1:
+        raise LyannaError(f"--passes must be at least 1, got {args.passes}")
     names = [m.strip() for m in args.methods.split(",") if m.strip()] if args.methods is not None else \
         [m for m in BB.BATCH_METHODS if args.draft is not None or m in ("target", "plain", "lookup")]
     BB.check_batch_methods(names, args.draft is not None)
@@ -202,14 +207,15 @@ def _run_batched(args, names, holds, sizes, settings, questions, out: Path) -> i
         alone = hf_method(target, settings)
         reference = lambda p: alone(p, args.max_new_tokens).tokens  # noqa: E731
     results = BB.measure(methods, prompts, sizes, args.max_new_tokens, args.num_prompts, reference,
-                         progress=lambda line: print(line, file=sys.stderr, flush=True))
+                         progress=lambda line: print(line, file=sys.stderr, flush=True), passes=args.passes)
     table = R.batch_table(results)
     ratios = BB.ratio_lines(results)
     verdict, ok = BB.lossless_lines(results)
     print(table)
     print("\n".join(ratios + verdict))
     meta = {"draft": args.draft, "target": args.target, "prompts": args.prompts, "max_new_tokens": args.max_new_tokens,
-            "num_prompts": args.num_prompts, "batch_sizes": sizes, "methods": list(methods), "holds": holds,
+            "num_prompts": args.num_prompts, "batch_sizes": sizes, "passes": args.passes, "methods": list(methods),
+            "holds": holds,
             "decode": {"preset": args.decode, "overrides": args.overrides, **dataclasses.asdict(settings)},
             "chat": args.chat, "environment": _environment(target)}
     with atomic_directory(out, overwrite=True) as tmp:

@@ -172,11 +172,30 @@ def summarize_run(run: BatchRun, reference: list[list[int]] | None) -> dict:
     return out
 
 
+def summarize_passes(runs: list[BatchRun], reference: list[list[int]] | None) -> dict:
+    """The pass with the median throughput (its latencies, τ, ... with it), every pass's
+    tokens/s beside it, and the fewest identical outputs of any pass."""
+    summaries = sorted((summarize_run(run, reference) for run in runs), key=lambda s: s["tokens_per_s"])
+    out = dict(summaries[(len(summaries) - 1) // 2])
+    out["tokens_per_s_passes"] = [s["tokens_per_s"] for s in summaries]
+    if reference is not None:
+        out["identical"] = min(s["identical"] for s in summaries)
+    return out
+
+
 def measure(methods: dict[str, BatchMethod], prompts: list[list[int]], batch_sizes: list[int], max_new_tokens: int,
             num_prompts: int, reference: Callable[[list[int]], list[int]] | None = None,
-            progress: Callable[[str], None] = lambda line: None) -> dict[int, dict[str, dict]]:
-    """{batch size: {method: summary}}. ``reference``
-    gives a prompt's greedy tokens decoded alone (None: not checked)."""
+            progress: Callable[[str], None] = lambda line: None, passes: int = 1) -> dict[int, dict[str, dict]]:
+    """{batch size: {method: summary}}. ``reference`` gives a prompt's greedy tokens decoded
+    alone (None: not checked).
+
+    Each batch size runs every method ``passes`` times, interleaved: the order rotates with
+    the batch size and every other pass runs it backwards, so no method always follows the
+    same one. A summary is its method's median pass (:func:`summarize_passes`): on a shared
+    2-core VM one pass of the same method read 67-93 tok/s within two minutes, more than
+    the differences a ratio must tell apart."""
+    if passes < 1:
+        raise LyannaError(f"passes must be at least 1, got {passes}")
     results: dict[int, dict[str, dict]] = {}
     refs: dict[int, list[int]] = {}
     for turn, batch in enumerate(batch_sizes):
@@ -184,20 +203,23 @@ def measure(methods: dict[str, BatchMethod], prompts: list[list[int]], batch_siz
         if len(work) < batch:
             raise LyannaError(f"batch size {batch} needs {batch} prompts; the set gives {len(prompts)}")
         names = list(methods)
-        order = names[turn % len(names):] + names[:turn % len(names)]
-        runs = {}
-        for name in order:
-            runs[name] = methods[name](work, max_new_tokens, batch)
-            progress(f"batch {batch} {name}: {sum(map(len, runs[name].tokens)) / runs[name].wall_time:.1f} tok/s")
+        runs: dict[str, list[BatchRun]] = {name: [] for name in names}
+        for rep in range(passes):
+            order = names[turn % len(names):] + names[:turn % len(names)]
+            for name in order if rep % 2 == 0 else order[::-1]:
+                run = methods[name](work, max_new_tokens, batch)
+                runs[name].append(run)
+                progress(f"batch {batch} {name}{f' (pass {rep + 1}/{passes})' if passes > 1 else ''}: "
+                         f"{sum(map(len, run.tokens)) / run.wall_time:.1f} tok/s")
         want = None
         if reference is not None:
             if batch == 1 and "target" in runs:  # target.generate of one prompt, unpadded: the reference itself
-                refs.update((i, t) for i, t in enumerate(runs["target"].tokens) if i not in refs)
+                refs.update((i, t) for i, t in enumerate(runs["target"][0].tokens) if i not in refs)
             for i, p in enumerate(work):  # after the timed runs: not measured
                 if i not in refs:
                     refs[i] = reference(p)
             want = [refs[i] for i in range(len(work))]
-        results[batch] = {name: summarize_run(runs[name], want) for name in names}
+        results[batch] = {name: summarize_passes(runs[name], want) for name in names}
         base = results[batch].get("target", {})
         for s in results[batch].values():
             s["vs_target"] = s["tokens_per_s"] / base["tokens_per_s"] if base.get("tokens_per_s") else None

@@ -45,7 +45,8 @@ def method_table(summary: dict, lossless: dict, depths: int = 3) -> str:
 
 
 def batch_table(results: dict[int, dict[str, dict]]) -> str:
-    """One row per batch size and method: throughput (wall and CPU), latency, τ, identical requests."""
+    """One row per batch size and method: throughput (wall and CPU; with several passes the
+    median one's, the slowest and fastest pass beside it), latency, τ, identical requests."""
     head = ["batch", "method", "requests", "new tokens", "tok/s", "vs target", "tok/CPU-s", "vs target (CPU)",
             "latency mean (s)", "p50", "p95", "τ", "tree size", "identical"]
     rows = []
@@ -54,8 +55,10 @@ def batch_table(results: dict[int, dict[str, dict]]) -> str:
             vs = f"{s['vs_target']:.2f}×" if s.get("vs_target") else "–"
             vs_cpu = f"{s['vs_target_cpu']:.2f}×" if s.get("vs_target_cpu") else "–"
             same = f"{s['identical']}/{s['requests']}" if "identical" in s else "–"
+            passes = s.get("tokens_per_s_passes", [])
+            spread = f" ({passes[0]:.0f}–{passes[-1]:.0f})" if len(passes) > 1 else ""
             rows.append([str(batch), name, str(s["requests"]), str(s["new_tokens"]),
-                         f"{s['tokens_per_s']:.1f}", vs, f"{s['tokens_per_cpu_s']:.1f}", vs_cpu,
+                         f"{s['tokens_per_s']:.1f}{spread}", vs, f"{s['tokens_per_cpu_s']:.1f}", vs_cpu,
                          f"{s['latency_mean']:.2f}", f"{s['latency_p50']:.2f}", f"{s['latency_p95']:.2f}",
                          f"{s['tau']:.2f}", f"{s['mean_tree_size']:.1f}", same])
     return markdown_table(head, rows)

@@ -8,7 +8,9 @@ import json
 import pytest
 
 from lyanna_train.cli.bench import main as bench_main
+from lyanna_train.errors import LyannaError
 from lyanna_train.evaluation import batched as BB
+from lyanna_train.evaluation import report as R
 from lyanna_train.runtime.drafting.state import BatchDraftState
 from lyanna_train.runtime.served_models import without_pool
 
@@ -56,6 +58,7 @@ def test_batched_bench_measures_every_method_at_every_size(tmp_path, export_dir,
     (["--batch-size", "4"], "batch size 4 needs 4 prompts"),
     (["--batch-size", "1", "--hold", "1"], "--hold takes comma-separated integers of at least 2"),
     (["--batch-size", "1", "--methods", "target,pld"], "bad methods ['target', 'pld'] for --batch-size"),
+    (["--batch-size", "1", "--passes", "0"], "--passes must be at least 1, got 0"),
 ])
 def test_bad_batched_flags_are_one_line(flags, message, export_dir, prompts_file, capsys):  # noqa: F811
     assert bench_main(["--draft", str(export_dir), "--prompts", str(prompts_file)] + flags) == 2
@@ -81,3 +84,32 @@ def test_percentile_is_numpys_linear_rule():
     for q in (0, 50, 95, 100):
         assert BB.percentile(values, q) == pytest.approx(float(np.percentile(values, q)))
     assert BB.percentile([2.0], 95) == 2.0
+
+
+def test_passes_interleave_the_methods_and_report_each_ones_median_pass():
+    """Three passes: the order rotates with the batch size and runs backwards every other
+    pass; each summary is its method's median pass, every pass's tok/s beside it, and a
+    pass that differs from the reference counts against the method."""
+    calls, walls = [], {"a": [4.0, 1.0, 2.0], "b": [2.0, 2.0, 2.0], "c": [1.0, 8.0, 4.0]}
+
+    def method(name):
+        def run(prompts, max_new_tokens, batch):
+            calls.append((batch, name))
+            wall = walls[name][sum(1 for b, n in calls if n == name and b == batch) - 1]
+            tokens = [[7] * max_new_tokens for _ in prompts]
+            if name == "c" and len([1 for b, n in calls if n == "c" and b == batch]) == 2:
+                tokens[0] = [8] * max_new_tokens  # one pass of c differs
+            return BB.BatchRun(tokens, [wall] * len(prompts), wall, max_new_tokens * len(prompts), cpu_time=wall)
+        return run
+
+    methods = {n: method(n) for n in "abc"}
+    results = BB.measure(methods, [[1], [2]], [1, 2], 4, 2, reference=lambda p: [7] * 4, passes=3)
+    assert [n for b, n in calls if b == 1] == list("abc" "cba" "abc")
+    assert [n for b, n in calls if b == 2] == list("bca" "acb" "bca")
+    a = results[1]["a"]
+    assert a["wall_time"] == 2.0 and a["tokens_per_s_passes"] == [2.0, 4.0, 8.0] and a["tokens_per_s"] == 4.0
+    assert results[1]["c"]["identical"] == 1 and results[1]["a"]["identical"] == 2
+    with pytest.raises(LyannaError, match="passes must be at least 1"):
+        BB.measure(methods, [[1]], [1], 4, 1, passes=0)
+    table = R.batch_table(results)
+    assert "| 4.0 (2–8) |" in table
