@@ -52,14 +52,18 @@ def _environment(data: dict) -> str:
 
 
 def _batched(data: dict) -> list[str]:
+    passes = data.get("passes", 1)
     lines = [f"`lyanna-bench --batch-size {','.join(map(str, data['batch_sizes']))}`: {data['prompts']}, "
-             f"{data['num_prompts']} prompts x {data['max_new_tokens']} new tokens; {_environment(data)}; "
+             f"{data['num_prompts']} prompts x {data['max_new_tokens']} new tokens"
+             f"{f', median of {passes} interleaved passes' if passes > 1 else ''}; {_environment(data)}; "
              f"{_lossless(data)}", ""]
     rows = []
     for batch, methods in data["results"].items():
         for method, r in methods.items():
-            rows.append([batch, method, r.get("tokens_per_s"), r.get("vs_target"), r.get("tau"), r.get("identical")])
-    return lines + _table(["batch", "method", "tok/s", "vs target", "τ", "identical"], rows)
+            spread = r.get("tokens_per_s_passes", [])
+            rows.append([batch, method, r.get("tokens_per_s"), f"{spread[0]:.1f}–{spread[-1]:.1f}" if len(spread) > 1
+                         else None, r.get("vs_target"), r.get("tau"), r.get("identical")])
+    return lines + _table(["batch", "method", "tok/s", "passes' range", "vs target", "τ", "identical"], rows)
 
 
 def _single(data: dict) -> list[str]:

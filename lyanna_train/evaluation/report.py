@@ -56,7 +56,7 @@ def batch_table(results: dict[int, dict[str, dict]]) -> str:
             vs_cpu = f"{s['vs_target_cpu']:.2f}×" if s.get("vs_target_cpu") else "–"
             same = f"{s['identical']}/{s['requests']}" if "identical" in s else "–"
             passes = s.get("tokens_per_s_passes", [])
-            spread = f" ({passes[0]:.0f}–{passes[-1]:.0f})" if len(passes) > 1 else ""
+            spread = f" ({passes[0]:.1f}–{passes[-1]:.1f})" if len(passes) > 1 else ""
             rows.append([str(batch), name, str(s["requests"]), str(s["new_tokens"]),
                          f"{s['tokens_per_s']:.1f}{spread}", vs, f"{s['tokens_per_cpu_s']:.1f}", vs_cpu,
                          f"{s['latency_mean']:.2f}", f"{s['latency_p50']:.2f}", f"{s['latency_p95']:.2f}",

@@ -112,4 +112,4 @@ def test_passes_interleave_the_methods_and_report_each_ones_median_pass():
     with pytest.raises(LyannaError, match="passes must be at least 1"):
         BB.measure(methods, [[1]], [1], 4, 1, passes=0)
     table = R.batch_table(results)
-    assert "| 4.0 (2–8) |" in table
+    assert "| 4.0 (2.0–8.0) |" in table

@@ -240,9 +240,9 @@ def test_a_draining_batch_speculates_for_the_rows_behind():
 
 
 def test_a_draining_batch_weighs_its_rows_by_tokens_left_and_stays_lossless(tiny_target, tiny_fitted, monkeypatch):
-    """While requests wait every row's token is worth the same; once none wait, each row's
-    worth is its tokens left over the most any row has left. Greedy output stays the
-    target's own."""
+    """While requests wait every row's token is worth the same; once none wait and none will
+    come (``run``), each row's worth is its tokens left over the most any row has left; a
+    server's steps never drain. Greedy output stays the target's own."""
     seen = []
     choose = propose.choose_drafting
 
@@ -264,3 +264,10 @@ def test_a_draining_batch_weighs_its_rows_by_tokens_left_and_stays_lossless(tiny
     draining = [w for w in seen if w is not None]
     assert draining and all(max(w) == 1.0 for w in draining)
     assert any(len(w) == 2 and min(w) < 1.0 for w in draining)
+    seen.clear()  # a server's steps: more requests may come, so a batch never drains
+    served = BatchDecoder(tiny_target, tiny_fitted[True], settings, 2, cost=cheap, eos_ids=(), layer_ids=LAYER_IDS)
+    requests = [served.submit(p, n) for p, n in zip(PROMPTS[:2], budgets[:2])]
+    while not served.idle:
+        served.step()
+    assert requests[1].tokens == greedy_reference(tiny_target, PROMPTS[1], budgets[1])
+    assert seen and all(w is None for w in seen)

@@ -19,8 +19,9 @@ Where verify cost is flat and drafting free (an accelerator, :meth:`.cost.Costs.
 every row drafts and verifies its whole tree; where a draft step costs more than any
 head could return, nobody drafts.
 
-**Draining.** While requests wait, a freed slot takes the next one at once, so every
-accepted token is worth the same. Once none wait, the batch only shrinks: its time left
+**Draining.** While requests wait, or more may come (a server), a freed slot takes the
+next one at once, so every accepted token is worth the same. Once none wait and none will
+come (:meth:`..scheduling.scheduler.BatchDecoder.run`), the batch only shrinks: its time left
 is set by the row with the most tokens left, and a row that runs ahead only leaves its
 slot idle sooner while the last rows still pay for whole iterations. Each row's tokens
 then count in proportion to its tokens left (:func:`drain_weights`): the rows behind

@@ -145,15 +145,21 @@ class BatchDecoder:
                 self._free_done()
         return True
 
-    def step(self) -> list[Update]:
-        """Admit, then one iteration for the running rows -> each request's news this step."""
+    def step(self, closed: bool = False) -> list[Update]:
+        """Admit, then one iteration for the running rows -> each request's news this step.
+
+        ``closed``: no request will come after those queued (:meth:`run` steps so). Once none
+        waits either, the batch drains and the policy weighs each row's tokens by its tokens
+        left (:func:`..pricing.policy.drain_weights`). A server's steps are never closed: a
+        freed slot is taken by the next request a client sends."""
         updates = [Update(r) for r in self._refused]
         self._refused = []
         with torch.inference_mode():
             self._admit(updates)
             if not self._blocks:  # mid hold-cycle, rows stay in place until it is verified
                 self._free_done()
-            self.batch.weights = None if self.waiting else drain_weights([self._left(row) for row in self.rows])
+            self.batch.weights = drain_weights([self._left(row) for row in self.rows]) \
+                if closed and not self.waiting else None
             if self.rows and self.fusion.micro_batches == 1:
                 rows = slice(0, len(self.rows))
                 self._began = time.perf_counter()
@@ -167,9 +173,10 @@ class BatchDecoder:
         return updates
 
     def run(self) -> Iterator[Update]:
-        """Step until every request is done, yielding each update."""
+        """Step until every request is done, yielding each update (no request comes after
+        the ones submitted: the batch drains at the end)."""
         while not self.idle:
-            yield from self.step()
+            yield from self.step(closed=True)
 
     def _admit(self, updates: list[Update]) -> None:
         while self.waiting and len(self.rows) < self.max_batch:
