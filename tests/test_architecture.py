@@ -13,6 +13,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 PACKAGE = Path(__file__).resolve().parents[1] / "lyanna_train"
 HEAVY_OPTIONAL = {"deepspeed", "wandb", "triton"}
 
@@ -91,6 +93,7 @@ def _edges():
             yield rel, _area(rel), name, name.split(".")[0]
 
 
+@pytest.mark.slow
 def test_every_import_between_areas_is_an_allowed_edge():
     unknown = {area for _, area, _, _ in _edges()} - set(ALLOWED)
     assert not unknown, f"areas missing from the ALLOWED table: {unknown}"
@@ -184,6 +187,7 @@ def test_import_is_cheap_and_needs_no_accelerator_stack():
     assert out.strip() == "[]"
 
 
+@pytest.mark.slow
 def test_serving_never_loads_training_code():
     """What lyanna-generate and lyanna-serve import (the runtime, its served models, evaluation's prompts, the
     HTTP server) pulls in no trainer."""
@@ -195,6 +199,7 @@ def test_serving_never_loads_training_code():
     assert out.strip() == "[]"
 
 
+@pytest.mark.slow
 def test_only_the_engine_talks_to_deepspeed_and_only_tracking_to_wandb():
     owners = {"deepspeed": {"training/deepspeed_engine.py"}, "wandb": {"training/tracking.py"}}
     for path in PACKAGE.rglob("*.py"):

@@ -132,6 +132,7 @@ def test_commands_were_found():
 
 
 @pytest.mark.parametrize("where,command", COMMANDS, ids=[f"{w}:{c[:60]}" for w, c in COMMANDS])
+@pytest.mark.slow
 def test_command_parses(where, command, parse_only, monkeypatch, tmp_path):
     monkeypatch.chdir(tmp_path)  # nothing a parser might touch lands in the checkout
     if command.startswith(NOT_PARSED):

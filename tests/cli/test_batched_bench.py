@@ -27,6 +27,7 @@ def three_prompts(tmp_path_factory):
     return path
 
 
+@pytest.mark.slow
 def test_batched_bench_measures_every_method_at_every_size(tmp_path, export_dir, three_prompts, capsys):  # noqa: F811
     out = tmp_path / "out"
     argv = ["--draft", str(export_dir), "--prompts", str(three_prompts), "--num-prompts", "2", "--max-new-tokens", "8",
@@ -60,12 +61,14 @@ def test_batched_bench_measures_every_method_at_every_size(tmp_path, export_dir,
     (["--batch-size", "1", "--methods", "target,pld"], "bad methods ['target', 'pld'] for --batch-size"),
     (["--batch-size", "1", "--passes", "0"], "--passes must be at least 1, got 0"),
 ])
+@pytest.mark.slow
 def test_bad_batched_flags_are_one_line(flags, message, export_dir, prompts_file, capsys):  # noqa: F811
     assert bench_main(["--draft", str(export_dir), "--prompts", str(prompts_file)] + flags) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and message in err[0], err
 
 
+@pytest.mark.slow
 def test_the_pool_off_head_shares_the_layers_and_has_no_pool(target, export_dir, tokenizer):  # noqa: F811
     from lyanna_train.export.reader import load_exported
 

@@ -47,6 +47,7 @@ def test_an_output_on_a_pseudo_filesystem_names_the_right_cause(monkeypatch, cap
                                   "created there (proc filesystem)")
 
 
+@pytest.mark.slow
 def test_hotvocab_on_a_full_disk_is_one_line_and_leaves_nothing(small_disk, tmp_path, monkeypatch, capsys):
     from lyanna_train.cli.hotvocab import main
 
@@ -68,6 +69,7 @@ def test_hotvocab_on_a_full_disk_is_one_line_and_leaves_nothing(small_disk, tmp_
     assert list(disk.iterdir()) == []  # no partial directory, no lock file
 
 
+@pytest.mark.slow
 def test_an_output_left_half_written_by_a_killed_run_is_cleaned_by_the_next(tmp_path, capsys):
     """kill -9 mid-write leaves the hidden ``.<out>.partial-<pid>`` sibling an output is built in;
     the next writer there removes those of dead processes and leaves a live writer's alone."""

@@ -175,6 +175,7 @@ def test_read_questions_accepts_every_prompt_form_and_names_a_bad_line(tmp_path)
             read_questions(str(path))
 
 
+@pytest.mark.slow
 def test_records_follow_spec_bench_and_summary_has_every_figure(records, tokenizer):
     assert set(records) == {"target", "pld", "lyanna", "lookup"}
     for method, recs in records.items():
@@ -201,6 +202,7 @@ def test_records_follow_spec_bench_and_summary_has_every_figure(records, tokeniz
     assert rates[0] > 0.5 and lyanna["tau"] > summary["lookup"]["tau"], (rates, lyanna["tau"])
 
 
+@pytest.mark.slow
 def test_lossless_check_detects_a_corrupted_output(records):
     bad = copy.deepcopy(records)
     ids = bad["lyanna"][1]["choices"][0]["token_ids"][1]
@@ -216,6 +218,7 @@ def test_lossless_check_detects_a_corrupted_output(records):
     assert not B.lossless_report({"lyanna": records["lyanna"]})["checked"]
 
 
+@pytest.mark.slow
 def test_stock_linears_are_reported_but_not_judged(records):
     """``stock`` is the same target with torch's own GEMM forms: float noise, not a bug."""
     with_stock = copy.deepcopy(records)
@@ -228,6 +231,7 @@ def test_stock_linears_are_reported_but_not_judged(records):
     assert lines[0] == "lossless: yes (4/4 prompts identical)" and "stock: 3/4 prompts identical" in lines[1]
 
 
+@pytest.mark.slow
 def test_bench_cli_writes_results_and_exit_status(tmp_path, export_dir, prompts_file, capsys, monkeypatch):
     argv = ["--draft", str(export_dir), "--prompts", str(prompts_file), "--max-new-tokens", "8", "--threads", "1",
             "--methods", "target,stock,pld,lyanna,lookup", "--out", str(tmp_path / "out")]

@@ -29,6 +29,7 @@ def _assert_clean_failure(code, err, tmp_path, message):
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".out")]
 
 
+@pytest.mark.slow
 def test_cli_builds_and_prints_the_table(tmp_path, capsys):
     corpus = write_jsonl(tmp_path / "c.jsonl", GOOD + ["not json"])
     (tmp_path / "c.jsonl").write_text((tmp_path / "c.jsonl").read_text().replace('"not json"', "{not json"))
@@ -54,6 +55,7 @@ def test_cli_builds_and_prints_the_table(tmp_path, capsys):
     ("tokenizer-missing", "tokenizer not found"),
     ("strict", "malformed JSON"),
 ])
+@pytest.mark.slow
 def test_bad_input_is_one_line_and_leaves_nothing(tmp_path, capsys, case, message):
     good = write_jsonl(tmp_path / "good.jsonl", GOOD)
     args = {"corpus": str(good), "tokenizer": "smollm2", "extra": []}
@@ -93,6 +95,7 @@ def test_merge_cli_needs_out_and_existing_dirs(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("name", sorted(DAMAGED))
+@pytest.mark.slow
 def test_a_damaged_corpus_file_is_one_line_naming_it(tmp_path, capsys, name):
     """Issue 24: EOFError, BadGzipFile without the path, ArrowInvalid: tracebacks or a bare word."""
     bad = write_damaged(tmp_path, name, GOOD)
@@ -100,6 +103,7 @@ def test_a_damaged_corpus_file_is_one_line_naming_it(tmp_path, capsys, name):
     _assert_clean_failure(code, err, tmp_path, f"{bad} {DAMAGED[name]}")
 
 
+@pytest.mark.slow
 def test_binary_bytes_in_a_text_corpus_are_counted_and_warned_about(tmp_path, capsys):
     (tmp_path / "mixed.txt").write_bytes(b"plain text here\n\n" + bytes(range(128, 256)) * 4 + b"\n\x00\x01\n\nmore\n")
     code, out, err = _run(capsys, ["--corpus", str(tmp_path / "mixed.txt"), "--count", "all", "--sizes", "8",

@@ -35,6 +35,7 @@ def _refused(capsys, code: int, prog: str, out, pid: int) -> None:
     assert f"is in use by pid {pid} on " in err[0]
 
 
+@pytest.mark.slow
 def test_two_hotvocab_runs_on_one_out(tmp_path, capsys):
     """Both used to report success, the last writer winning."""
     from lyanna_train.cli.hotvocab import main

@@ -14,6 +14,7 @@ def tokenizer(request, smollm2_tokenizer, header_template_dir):
     return smollm2_tokenizer if request.param == "chatml" else AutoTokenizer.from_pretrained(header_template_dir)
 
 
+@pytest.mark.slow
 def test_fast_render_equals_apply_chat_template(tokenizer, sharegpt_records):
     renderer = ChatRenderer(tokenizer)
     for i, rec in enumerate(sharegpt_records):
@@ -47,6 +48,7 @@ def test_conversation_opening_with_the_assistant_is_located(smollm2_tokenizer):
     assert rendered.text[a:b] == "Hello, how can I help?<|im_end|>" and rendered.unaligned_turns == 0
 
 
+@pytest.mark.slow
 def test_template_that_rejects_a_conversation_raises_a_named_error(smollm2_tokenizer, tmp_path):
     from lyanna_train.data.chat_template import TemplateRenderError
 

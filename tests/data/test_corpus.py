@@ -30,6 +30,7 @@ def test_schemas_normalise_to_messages_or_text():
     assert "no 'conversations'" in to_document(6, {"foo": 1}).reason
 
 
+@pytest.mark.slow
 def test_file_dir_glob_txt_parquet_and_saved_dataset(tmp_path):
     import datasets
 

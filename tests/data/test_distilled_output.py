@@ -78,6 +78,7 @@ def planned_build(model, tok, jsonl, root):
 
 
 @pytest.mark.parametrize(("batch", "speculate"), [(1, True), (3, True), (3, False)])
+@pytest.mark.slow
 def test_the_trainer_finds_the_cache_complete_and_equal_to_a_teacher_forced_build(
         tmp_path, word_target, smollm2_tokenizer, batch, speculate):
     model, tok = word_target, smollm2_tokenizer
@@ -103,6 +104,7 @@ def test_the_trainer_finds_the_cache_complete_and_equal_to_a_teacher_forced_buil
         torch.testing.assert_close(a["teacher_lse"], b["teacher_lse"], atol=1e-4, rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_a_run_cut_after_any_conversation_resumes_to_the_same_files(tmp_path, word_target,
                                                                    smollm2_tokenizer):
     model, tok = word_target, smollm2_tokenizer
@@ -132,6 +134,7 @@ def test_conversations_without_their_features_are_refused(tmp_path, word_target,
     assert jsonl.read_text().count("\n") == 1  # nothing lost
 
 
+@pytest.mark.slow
 def test_the_command_writes_the_conversations_and_their_cache(tmp_path, word_target, smollm2_tokenizer):
     import subprocess
     import sys

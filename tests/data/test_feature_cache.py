@@ -73,6 +73,7 @@ def reference_cache(tmp_path_factory, tiny_target, smollm2_tokenizer):  # noqa: 
     return out, result
 
 
+@pytest.mark.slow
 def test_round_trip_matches_direct_features(reference_cache, tiny_target, smollm2_tokenizer):  # noqa: F811
     out, result = reference_cache
     samples = _samples()
@@ -107,6 +108,7 @@ def test_round_trip_matches_direct_features(reference_cache, tiny_target, smollm
     assert not aux[0, len(read[0]["aux"]):].any()  # zeros after the row
 
 
+@pytest.mark.slow
 def test_interrupted_build_resumes_to_the_same_bytes(reference_cache, tmp_path, tiny_target, smollm2_tokenizer):  # noqa: F811
     ref, _ = reference_cache
     out = tmp_path / "cache"
@@ -146,6 +148,7 @@ def test_corrupted_shard_is_refused_then_regenerated(reference_cache, tmp_path, 
     FeatureCache(out).verify()
 
 
+@pytest.mark.slow
 def test_other_target_or_tokenizer_is_refused(reference_cache, tmp_path, other_target_dir, header_template_dir,  # noqa: F811
                                               tiny_target, smollm2_tokenizer):
     from transformers import AutoTokenizer
@@ -219,6 +222,7 @@ def test_bad_inputs_are_refused(tmp_path, tiny_target, smollm2_tokenizer):  # no
         FeatureCache(tmp_path / "d")
 
 
+@pytest.mark.slow
 def test_cli_builds_resumes_and_reports_user_errors(tmp_path, tiny_llama_smollm2_vocab, smollm2_tokenizer,
                                                     sharegpt_records, capsys):
     import importlib.util
@@ -268,6 +272,7 @@ def _shard_bytes(root) -> int:
     return sum(p.stat().st_size for p in (root / "shards").glob("*.safetensors"))
 
 
+@pytest.mark.slow
 def test_fp8_cache_round_trip_and_half_the_bytes(reference_cache, fp8_cache, tiny_target, smollm2_tokenizer):  # noqa: F811
     """The same samples as the bf16 cache, read back within e4m3's rounding, in about half the
     bytes per token (measured from the files)."""

@@ -66,6 +66,7 @@ def test_jsonl_reports_bad_lines_and_reads_gzip(tmp_path):
     assert isinstance(events[1], Malformed) and events[1].where.endswith(":2")
 
 
+@pytest.mark.slow
 def test_embedded_sharegpt_recovers_all_17671_conversations():
     n, truncs = 0, []
     for e in iter_json_array(EMBEDDED_CORPORA["sharegpt"].path()):

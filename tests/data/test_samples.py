@@ -31,6 +31,7 @@ def _segments(mask: torch.Tensor) -> list[tuple[int, int]]:
     return out
 
 
+@pytest.mark.slow
 def test_mask_is_exactly_each_assistant_turn(tokenizer, sharegpt_records):
     builder = SampleBuilder(tokenizer, SampleSettings(max_length=100_000))
     for i, rec in enumerate(sharegpt_records):

@@ -35,6 +35,7 @@ def _distill(model, tok, batch_size, **kw):
 
 
 @pytest.mark.parametrize("batch_size", [1, 3])
+@pytest.mark.slow
 def test_every_turn_is_what_the_target_says_alone(tiny_llama_smollm2_vocab, smollm2_tokenizer, batch_size):
     model, tok = tiny_llama_smollm2_vocab, smollm2_tokenizer
     distiller, rows = _distill(model, tok, batch_size)
@@ -56,6 +57,7 @@ def test_every_turn_is_what_the_target_says_alone(tiny_llama_smollm2_vocab, smol
             assert m["content"] == tok.decode(out), (cid, k)
 
 
+@pytest.mark.slow
 def test_sampled_turns_follow_their_own_seeds(tiny_llama_smollm2_vocab, smollm2_tokenizer):
     model, tok = tiny_llama_smollm2_vocab, smollm2_tokenizer
     _, a = _distill(model, tok, 3, temperature=1.0, seed=7)
@@ -75,6 +77,7 @@ def test_resume_skips_written_ids_and_cuts_a_torn_line(tmp_path):
     assert len(lines) == 2 and json.loads(lines[1])["conversations"][0]["from"] == "system"
 
 
+@pytest.mark.slow
 def test_the_command_resumes_after_kill_9_and_writes_nothing_twice(tmp_path, tiny_llama_smollm2_vocab,
                                                                    smollm2_tokenizer):
     import os

@@ -317,6 +317,7 @@ def test_cli_bad_input_is_one_line_and_exit_2(tmp_path, target, tok_fp, capsys, 
     assert out.exists() == (case == "exists") and not [p for p in tmp_path.iterdir() if p.name.startswith(".out")]
 
 
+@pytest.mark.slow
 def test_the_loader_never_imports_training_code():
     """Serving code loads exports: it must not pull in the trainer (DeepSpeed, W&B, datasets)."""
     import subprocess

@@ -114,6 +114,7 @@ def imported(tmp_path, src, target, tokenizer, name="out", **kw):
     ("specforge", ("d2t", "t2d"), True), ("specforge", ("d2t",), False), ("specforge", ("t2d",), True),
     ("eagle", ("d2t", "t2d"), False), ("eagle", ("t2d",), True),
 ])
+@pytest.mark.slow
 def test_round_trip_per_layout_gives_identical_logits_and_keeps_the_map(tmp_path, target, smollm2_tokenizer,
                                                                          layout, vocab_map, ids):
     head = make_head(target, sorted_ids=vocab_map == ("t2d",))  # t2d alone implies ascending draft ids
@@ -129,6 +130,7 @@ def test_round_trip_per_layout_gives_identical_logits_and_keeps_the_map(tmp_path
 
 
 @pytest.mark.parametrize("variants", [dict(norm_before_fc=True, norm_output=True), dict(fc_norm=True)])
+@pytest.mark.slow
 def test_speculators_trainer_variants_are_computed_as_it_does(tmp_path, target, smollm2_tokenizer, variants):
     """speculators' EAGLE-3 trainer defaults to norm_before_fc + norm_output and a 2048-token window."""
     head = make_head(target, **variants)
@@ -149,6 +151,7 @@ def test_speculators_trainer_variants_are_computed_as_it_does(tmp_path, target, 
 
 
 @pytest.mark.parametrize("layout", ["speculators", "specforge"])
+@pytest.mark.slow
 def test_full_vocabulary_head_without_a_map(tmp_path, target, smollm2_tokenizer, layout):
     head = make_head(target, draft_vocab=V)
     with torch.no_grad():  # a full-vocabulary head written without a map scores token i in row i
@@ -161,6 +164,7 @@ def test_full_vocabulary_head_without_a_map(tmp_path, target, smollm2_tokenizer,
         assert torch.equal(a, b)
 
 
+@pytest.mark.slow
 def test_imported_head_is_served_losslessly(tmp_path, target, smollm2_tokenizer):
     from lyanna_train.runtime.scheduling.scheduler import generate
     from lyanna_train.runtime.settings import DecodeSettings, LookupSettings, TreeShape
@@ -175,6 +179,7 @@ def test_imported_head_is_served_losslessly(tmp_path, target, smollm2_tokenizer)
     assert out.tokens == reference and out.target_forwards <= 24
 
 
+@pytest.mark.slow
 def test_cli_imports_onto_a_target_directory(tmp_path, smollm2_tokenizer, capsys):
     target = make_target()
     target.save_pretrained(tmp_path / "target")
@@ -219,6 +224,7 @@ def test_bad_source_files_fail_with_one_line_and_write_nothing(tmp_path, target,
     assert not (tmp_path / "out").exists() and not [p for p in tmp_path.iterdir() if p.name.startswith(".out")]
 
 
+@pytest.mark.slow
 def test_a_head_for_another_target_is_refused_naming_the_mismatch(tmp_path, target, smollm2_tokenizer):
     head = make_head(target)
     src = write_source(tmp_path / "src", head, "speculators", embed=target.model.embed_tokens.weight)

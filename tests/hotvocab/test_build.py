@@ -25,6 +25,7 @@ def corpus(tmp_path, sharegpt_records):
     return str(write_jsonl(tmp_path / "corpus.jsonl", sharegpt_records))
 
 
+@pytest.mark.slow
 def test_artifact_has_every_promised_file_and_field(tmp_path, corpus, smollm2_tokenizer):
     out = tmp_path / "hv"
     manifest = builder.build([corpus], "smollm2", out, REQUESTS, CountSettings(heldout=0.1), **QUIET)
@@ -50,6 +51,7 @@ def test_artifact_has_every_promised_file_and_field(tmp_path, corpus, smollm2_to
     assert train.dtype == np.int64 and len(train) == len(heldout) == 49152
 
 
+@pytest.mark.slow
 def test_shards_merged_equal_one_pass(tmp_path, corpus):
     one = tmp_path / "one"
     builder.build([corpus], "smollm2", one, REQUESTS, CountSettings(heldout=0.1), **QUIET)
@@ -70,6 +72,7 @@ def test_shards_merged_equal_one_pass(tmp_path, corpus):
         assert torch.equal(a.hot_ids, b.hot_ids) and torch.equal(a.d2t, b.d2t) and torch.equal(a.t2d, b.t2d)
 
 
+@pytest.mark.slow
 def test_merge_refuses_mismatched_tokenizers_and_duplicate_shards(tmp_path, corpus, header_template_dir):
     s0 = tmp_path / "s0"
     builder.build([corpus], "smollm2", s0, REQUESTS, CountSettings(shard=(0, 2)), **QUIET)
@@ -87,6 +90,7 @@ def test_merge_refuses_mismatched_tokenizers_and_duplicate_shards(tmp_path, corp
     assert not (tmp_path / "m").exists()
 
 
+@pytest.mark.slow
 def test_interrupted_build_leaves_nothing_and_keeps_previous_output(tmp_path, corpus, monkeypatch):
     out = tmp_path / "hv"
     builder.build([corpus], "smollm2", out, REQUESTS, CountSettings(), **QUIET)

@@ -54,6 +54,7 @@ def _counted(out) -> Counter:
 
 @pytest.mark.parametrize("template", ["chatml", "header"])
 @pytest.mark.parametrize("mode", ["assistant", "all"])
+@pytest.mark.slow
 def test_counts_equal_direct_tokenizer_calls(tmp_path, smollm2_tokenizer, header_template_dir, sharegpt_records,
                                              mode, template):
     tok_spec = "smollm2" if template == "chatml" else str(header_template_dir)
@@ -69,6 +70,7 @@ def test_counts_equal_direct_tokenizer_calls(tmp_path, smollm2_tokenizer, header
     assert manifest["documents"]["heldout"] > 0 and manifest["documents"]["train"] > 0
 
 
+@pytest.mark.slow
 def test_two_processes_count_like_one(tmp_path, sharegpt_records):
     corpus = write_jsonl(tmp_path / "corpus.jsonl", sharegpt_records)
     quiet = dict(progress=False, say=lambda *_: None)

@@ -85,6 +85,7 @@ def test_causal_window_retrieval_matches_brute_force():
 
 
 @pytest.mark.parametrize("pool,variant", [("on", "plain"), ("off", "plain"), ("on", "normed")])
+@pytest.mark.slow
 def test_training_forward_equals_step_by_step_serving(pool, variant):
     """Chain drafting with a KV cache and a ring-buffer pool gives the training logits,
     for every unroll step (training-time test included) and across the pool window;

@@ -46,6 +46,7 @@ def _decode(target, draft, settings, max_batch=3, fusion=FusionSettings(), cost=
 @pytest.mark.parametrize("pool", [True, False], ids=["pool", "no-pool"])
 @pytest.mark.parametrize("shape", SHAPES, ids=list(SHAPES))
 @pytest.mark.parametrize("lookup", [0, 4], ids=["draft", "draft+lookup"])
+@pytest.mark.slow
 def test_every_row_is_lossless(tiny_target, references, pool, shape, lookup):
     settings = DecodeSettings(SHAPES[shape], LookupSettings(lookup, branches=2, pool_tokens=lookup), verify="all")
     for request, want in zip(_decode(tiny_target, make_draft(tiny_target, pool), settings), references):
@@ -62,6 +63,7 @@ def test_lookup_alone_and_plain_decoding_are_lossless(tiny_target, references):
 
 
 @pytest.mark.parametrize("fusion", [FusionSettings(2), FusionSettings(3, shallow_first=True)], ids=["hold2", "hold3"])
+@pytest.mark.slow
 def test_held_verification_is_lossless(tiny_target, references, fusion):
     settings = DecodeSettings(TreeShape(3, 2, 2, 6), LookupSettings(4, pool_tokens=4), verify="auto")
     steep = VerifyCost([1, 8, 64], [1.0, 1.6, 9.0])  # widths vary with the rows' confidence and count
@@ -69,6 +71,7 @@ def test_held_verification_is_lossless(tiny_target, references, fusion):
     assert [r.tokens for r in requests] == references
 
 
+@pytest.mark.slow
 def test_auto_widths_stay_lossless_and_follow_the_batch(tiny_target, references):
     """verify: auto with a cost that grows with the batch's total tokens: the width changes
     from iteration to iteration, outputs do not."""
@@ -100,6 +103,7 @@ def _batch_oracle(decoder, fulls: dict, good=None, decoys: int = 2):
     return oracle_trees(full_for, good, decoys)
 
 
+@pytest.mark.slow
 def test_rows_accepting_different_counts_roll_back_each_to_its_own_cut(tiny_target, monkeypatch):
     depth = 4
     fulls = {tuple(p): p + greedy_reference(tiny_target, p, n + depth + 1) for p, n in zip(PROMPTS, MAX_NEW)}
@@ -149,6 +153,7 @@ def test_requests_join_a_running_batch(tiny_target, references):
     assert [r.tokens for r in later] == [references[1], references[2]]
 
 
+@pytest.mark.slow
 def test_a_single_slot_is_reused_request_after_request(tiny_target, references):
     requests = _decode(tiny_target, make_draft(tiny_target, True),
                        DecodeSettings(TreeShape(3, 2, 2, 6), LookupSettings(4, pool_tokens=4), verify="all"), max_batch=1)

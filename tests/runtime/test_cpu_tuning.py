@@ -55,6 +55,7 @@ def test_choice_follows_the_timings_and_pads_to_cheaper_counts(monkeypatch):
         choose_forms(forms, time_forward, (2, 4))
 
 
+@pytest.mark.slow
 def test_tuning_is_cached_per_machine_torch_and_target(tiny_target, cache_home, monkeypatch):
     target, draft = copy.deepcopy(tiny_target), make_draft(tiny_target, pool=True)
     lines = []
@@ -91,6 +92,7 @@ def test_tuning_is_cached_per_machine_torch_and_target(tiny_target, cache_home, 
         torch.set_num_threads(before)
 
 
+@pytest.mark.slow
 def test_retune_and_a_broken_cache_file_measure_again(tiny_target, cache_home, monkeypatch):
     target = copy.deepcopy(tiny_target)
     tune(target)
@@ -106,6 +108,7 @@ def test_retune_and_a_broken_cache_file_measure_again(tiny_target, cache_home, m
     assert calls and json.loads(path.read_text())["key"]["format"] == cpu_tuning.FORMAT  # rewritten whole
 
 
+@pytest.mark.slow
 def test_decoding_times_nothing_and_weighs_the_given_cost(tiny_target, tiny_fitted, monkeypatch):
     """generate() takes its cost model as an argument: no hidden timing inside decoding."""
     target, draft = copy.deepcopy(tiny_target), tiny_fitted[True]
@@ -120,6 +123,7 @@ def test_decoding_times_nothing_and_weighs_the_given_cost(tiny_target, tiny_fitt
     assert drafted_tokens(flat) >= 5 and drafted_tokens(plain) == 0  # the flat cost verifies, and keeps, draft nodes
 
 
+@pytest.mark.slow
 def test_the_draft_cost_is_timed_per_tree_shape_and_kept(tiny_target, cache_home, monkeypatch):
     """A drafting iteration is timed per row count for the decoding's tree shape, stored
     beside the verify cost; the same shape is read back, a new shape times only itself."""

@@ -91,6 +91,7 @@ def _run_both(draft, shape: TreeShape, deferred: tuple[int, ...] = ()):
 
 @pytest.mark.parametrize("pool", [True, False], ids=["pool", "no-pool"])
 @pytest.mark.parametrize("shape", SHAPES, ids=["top3", "chain4", "tree"])
+@pytest.mark.slow
 def test_each_row_drafts_what_it_drafts_alone(tiny_target, pool, shape):
     draft = make_draft(tiny_target, pool)
     with torch.inference_mode():
@@ -196,6 +197,7 @@ NORMED = dict(norm_before_residual=True, norm_before_fc=True, norm_output=True, 
 @pytest.mark.parametrize("pool,variant", [(True, {}), (False, {}), (True, NORMED),
                                           (False, dict(fc_norm=True, norm_output=True))],
                          ids=["pool", "no-pool", "pool-normed", "no-pool-fc-norm"])
+@pytest.mark.slow
 def test_draft_steps_equal_the_training_forward(tiny_target, pool, variant, monkeypatch):
     """Chunked step 0 (prefill, then accepted runs of any length, past the 128-state pool
     window) followed by chain drafting gives, at every step, the logits forward_unrolled

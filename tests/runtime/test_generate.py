@@ -51,6 +51,7 @@ def test_prompt_lookup_alone_is_lossless_and_accepts_on_repetition():
 
 @pytest.mark.parametrize("depth", [1, 3, 5])
 @pytest.mark.parametrize("decoys", [0, 2])
+@pytest.mark.slow
 def test_perfect_draft_accepts_everything(tiny_target, monkeypatch, depth, decoys):
     prompt = PROMPTS[0]
     full = prompt + greedy_reference(tiny_target, prompt, MAX_NEW + depth + 1)
@@ -65,6 +66,7 @@ def test_perfect_draft_accepts_everything(tiny_target, monkeypatch, depth, decoy
     assert oracle.calls[0] == [len(prompt) + 1 + sum(out.accept_lengths[:i]) for i in range(len(oracle.calls[0]))]
 
 
+@pytest.mark.slow
 def test_stops_after_eos_even_inside_an_accepted_run(tiny_target, tiny_fitted, monkeypatch):
     prompt = PROMPTS[0]
     ref = greedy_reference(tiny_target, prompt, MAX_NEW)
@@ -100,6 +102,7 @@ def test_a_request_that_cannot_be_served_raises_its_reason(tiny_target):
         generate(tiny_target, None, [[1, 2], [3, 4]], 4)
 
 
+@pytest.mark.slow
 def test_lossless_through_the_triton_kernels(tiny_target, tiny_fitted, monkeypatch):
     """The draft's hot paths (hot-vocabulary head + top-k, pool retrieval + α-fusion) run
     through the Triton kernels -- interpreted here, compiled on a GPU -- and decoding stays

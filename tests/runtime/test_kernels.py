@@ -67,6 +67,7 @@ HEAD_CASES = [  # (leading dims, H, V, k, strided rows): V never a multiple of t
 @interpreted
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("lead,h,v,k,strided", HEAD_CASES)
+@pytest.mark.slow
 def test_triton_hot_head_matches_reference(lead, h, v, k, strided, dtype):
     hidden, norm, weight = head_inputs(lead, h, v, dtype, strided=strided)
     got = hot_head_topk(hidden, norm, 1e-5, weight, k, backend="triton")
@@ -130,6 +131,7 @@ POOL_CASES = [  # (B, S, H, W, threshold, case)
 @interpreted
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("b,s,h,width,threshold,case", POOL_CASES, ids=[c[-1] + f"-S{c[1]}" for c in POOL_CASES])
+@pytest.mark.slow
 def test_triton_pool_fusion_matches_reference(b, s, h, width, threshold, case, dtype):
     current, pool, allowed = pool_inputs(b, s, h, dtype, case)
     gate = gate_weights(h, width, dtype)
@@ -179,6 +181,7 @@ def test_pool_fusion_reference_with_queries_per_sequence_is_one_query_at_a_time(
 
 @interpreted
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.slow
 def test_triton_pool_fusion_with_queries_per_sequence_matches_reference(dtype):
     b, q, s, h = 3, 5, 70, 72
     current, pool, allowed = tree_level_inputs(b, q, s, h, dtype)
@@ -243,6 +246,7 @@ def test_interpreter_child():
     assert " passed" in done.stdout and "skipped" not in done.stdout.splitlines()[-1]
 
 
+@pytest.mark.slow
 def test_runs_without_triton():
     """Importing the package and the auto backend on CPU never touch triton."""
     code = ("import sys; sys.modules['triton'] = None\n"

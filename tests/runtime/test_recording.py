@@ -22,6 +22,7 @@ SPECULATE = DecodeSettings(TreeShape(4, 2, 2, 8), LookupSettings(4, pool_tokens=
 
 @pytest.mark.parametrize("max_batch", [1, 3])
 @pytest.mark.parametrize("mode", ["plain", "speculate", "speculate-sampled"])
+@pytest.mark.slow
 def test_recorded_features_equal_a_teacher_forced_forward(tiny_target, tiny_fitted, mode, max_batch):
     draft = None if mode == "plain" else tiny_fitted[True]
     settings = PLAIN if mode == "plain" else SPECULATE

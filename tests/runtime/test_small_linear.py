@@ -60,6 +60,7 @@ def test_the_swap_keeps_the_weights_and_is_reversible(tiny_target):
 
 
 @pytest.mark.parametrize("form", [f for f in FORMS if f != "linear"])
+@pytest.mark.slow
 def test_decoding_through_measured_linears_is_lossless(tiny_target, tiny_fitted, form):
     target = copy.deepcopy(tiny_target)
     draft = copy.deepcopy(tiny_fitted[True])  # fitted: its nodes are accepted; a copy: the forms change it

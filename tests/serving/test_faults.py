@@ -34,6 +34,7 @@ LONG = [5, 6, 7] * 200  # 600 token ids: past the tiny target's 512-position con
     ("two prompts", {"model": MODEL, "prompt": ["a", "b"]}, "prompt", None),
     ("echo", {"model": MODEL, "prompt": "hi", "echo": True}, "echo", "invalid_value"),
 ])
+@pytest.mark.slow
 def test_bad_completion_requests_get_a_400_and_the_server_goes_on(server, client, case, body, param, code):
     content = body if isinstance(body, bytes) else json.dumps(body).encode()
     response = httpx.post(f"{server.base_url}/completions", content=content,
@@ -91,6 +92,7 @@ def _count(server, outcome: str) -> float:
 
 
 @pytest.mark.parametrize("stream", [True, False], ids=["mid-stream", "waiting-for-whole"])
+@pytest.mark.slow
 def test_a_client_that_goes_away_frees_its_slot(server, slow_steps, stream):
     cancelled = _count(server, "cancelled")
     body = {"model": MODEL, "prompt": "Write about tea.", "max_tokens": 480, "temperature": 0, "stream": stream}
@@ -108,6 +110,7 @@ def test_a_client_that_goes_away_frees_its_slot(server, slow_steps, stream):
     assert _count(server, "length") >= 0 and not server.engine.decoder.waiting
 
 
+@pytest.mark.slow
 def test_drain_finishes_short_requests_cuts_long_ones_at_the_bound_and_refuses_new(tiny):
     """The DrainingServer's handle_exit (what SIGTERM calls), on a server in a thread."""
     import uvicorn

@@ -86,6 +86,7 @@ def _in_background(server, n: int) -> list[threading.Thread]:
     return threads
 
 
+@pytest.mark.slow
 def test_past_the_queue_a_request_gets_a_429_with_retry_after(limited):
     import openai
 
@@ -101,6 +102,7 @@ def test_past_the_queue_a_request_gets_a_429_with_retry_after(limited):
     assert _post(limited, {"model": MODEL, "prompt": "hi", "max_tokens": 2}).status_code == 200  # room again
 
 
+@pytest.mark.slow
 def test_past_max_concurrency_a_request_gets_a_429(limited):
     threads = _in_background(limited, 2)
     with socket.create_connection(("127.0.0.1", int(limited.url.rsplit(":", 1)[1]))) as held:

@@ -39,6 +39,7 @@ def test_models_and_health(client, server):
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+@pytest.mark.slow
 def test_greedy_chat_equals_lyanna_generate(client, tiny, stream):
     for messages in [[{"role": "user", "content": p}] for p in PROMPTS] + [CONVERSATION]:
         ids = chat_ids(tiny, messages)
@@ -61,6 +62,7 @@ def test_greedy_chat_equals_lyanna_generate(client, tiny, stream):
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+@pytest.mark.slow
 def test_greedy_completion_equals_lyanna_generate_and_the_target(client, tiny, stream):
     import torch
 
@@ -84,6 +86,7 @@ def test_greedy_completion_equals_lyanna_generate_and_the_target(client, tiny, s
     assert response.choices[0].text == tiny.tokenizer.decode(own, skip_special_tokens=True)
 
 
+@pytest.mark.slow
 def test_concurrent_requests_join_the_batch_and_each_equals_its_own_decoding(server, tiny):
     """Eight requests over four slots, different lengths: rows join and leave mid-run."""
     jobs = [(PROMPTS[i % 3] + " " * (i // 3), 6 + 5 * i) for i in range(8)]
@@ -99,6 +102,7 @@ def test_concurrent_requests_join_the_batch_and_each_equals_its_own_decoding(ser
         assert response.usage.completion_tokens == n
 
 
+@pytest.mark.slow
 def test_a_slow_reader_does_not_hold_up_other_requests(server, client, tiny):
     """A stream nobody reads while another request is served whole, then read: complete and correct."""
     with httpx.Client(timeout=120) as http:
@@ -116,6 +120,7 @@ def test_a_slow_reader_does_not_hold_up_other_requests(server, client, tiny):
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+@pytest.mark.slow
 def test_stop_strings_end_the_text_before_them(client, tiny, stream):
     ids = tiny.tokenizer(PROMPTS[2])["input_ids"]
     want = reference(tiny, ids, 40)
@@ -130,6 +135,7 @@ def test_stop_strings_end_the_text_before_them(client, tiny, stream):
     assert text == want[:want.index(stop)] and final == "stop"
 
 
+@pytest.mark.slow
 def test_sampling_with_a_seed_is_reproducible_alone_and_in_a_batch(server, client):
     kwargs = dict(model=MODEL, messages=[{"role": "user", "content": "Hello"}], max_tokens=24, temperature=0.9,
                   top_p=0.95)

@@ -114,6 +114,7 @@ def _export(kind: str, tokenizer, root):
 
 
 @pytest.mark.parametrize("kind,impl", list(_cases()))
+@pytest.mark.slow
 def test_the_pipeline_decodes_losslessly_with_accepted_drafts(kind, impl, smollm2_tokenizer, tmp_path_factory,
                                                              one_thread):
     from lyanna_train.export.reader import load_exported

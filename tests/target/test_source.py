@@ -17,6 +17,7 @@ def test_embedded_smollm2_tokenizer(smollm2_tokenizer):
     assert ref.gguf_file.endswith(".gguf") and (ref.cache_dir / "tokenizer" / "tokenizer_config.json").exists()
 
 
+@pytest.mark.slow
 def test_fingerprint_is_stable_and_sensitive(smollm2_tokenizer, header_template_dir, tmp_path):
     from transformers import AutoTokenizer
 

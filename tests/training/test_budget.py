@@ -23,6 +23,7 @@ def _cfg(tmp_path, tiny_target_dir, tiny_corpus, *extra):
     return compose(tiny_overrides(tiny_target_dir, tiny_corpus, tmp_path / "run", *TINY, *extra))
 
 
+@pytest.mark.slow
 def test_fit_is_the_budget_arithmetic(tmp_path, tiny_target_dir, tiny_corpus):
     cfg = _cfg(tmp_path, tiny_target_dir, tiny_corpus, "train.time_budget_min=10", "train.epochs=3",
                "data.max_samples=1000", "eval.num_prompts=4", "eval.max_new_tokens=10", "eval.heldout_samples=8")
@@ -49,6 +50,7 @@ def test_fit_is_the_budget_arithmetic(tmp_path, tiny_target_dir, tiny_corpus):
         budget.fit(tight, costs, 100, 800)
 
 
+@pytest.mark.slow
 def test_measured_costs_and_the_decision_kept_for_a_resume(tmp_path, tiny_target_dir, tiny_corpus, monkeypatch):
     out = tmp_path / "run"
     cfg = _cfg(tmp_path, tiny_target_dir, tiny_corpus, "train.time_budget_min=2", "data.max_samples=5000",

@@ -26,6 +26,7 @@ def tiny_hot_vocab(tiny_target_dir, tiny_corpus, tmp_path_factory):
     return out
 
 
+@pytest.mark.slow
 def test_a_checkpoint_save_on_a_full_disk_is_one_line_and_leaves_no_partial(
         small_disk, tmp_path, monkeypatch, tiny_target_dir, tiny_corpus, tiny_hot_vocab):
     """It used to end in a traceback ("basic_ios::clear: iostream error", "unexpected pos") and

@@ -65,6 +65,7 @@ def test_cli_prints_the_plan_and_refuses_what_does_not_fit(config_dir, capsys):
     assert len(err) == 1 and "lyanna-plan: error: the plan needs" in err[0] and "more than the 16.0 GiB" in err[0]
 
 
+@pytest.mark.slow
 def test_plan_follows_the_config(config_dir):
     target = config_dir("llama2", LLAMA2_7B)
     base = make_plan(compose(["+recipe=llama2_7b", f"target.name={target}"]), world=8)
@@ -82,6 +83,7 @@ def test_plan_follows_the_config(config_dir):
     assert base.memory_per_rank < 80 * GiB  # the recipe fits an 80 GB GPU on 8 ranks
 
 
+@pytest.mark.slow
 def test_phase_times_follow_the_stated_throughput(config_dir):
     target = config_dir("llama3", LLAMA3_8B)
     cfg = compose(["+recipe=llama3_8b", f"target.name={target}"])
@@ -108,6 +110,7 @@ def _recipes() -> list[str]:
 
 
 @pytest.mark.parametrize("recipe", _recipes())
+@pytest.mark.slow
 def test_every_recipe_plans_offline_at_once(recipe, tmp_path, monkeypatch, capsys):
     """No model on disk (an empty Hugging Face cache) and no network (a connection raises):
     the recipe's target config ships with the package, and the plan answers in seconds."""
@@ -130,6 +133,7 @@ def test_every_recipe_plans_offline_at_once(recipe, tmp_path, monkeypatch, capsy
 @pytest.mark.parametrize("hub_id,config", [("meta-llama/Llama-2-7b-chat-hf", LLAMA2_7B),
                                            ("lmsys/vicuna-7b-v1.5", LLAMA2_7B),
                                            ("meta-llama/Meta-Llama-3-8B-Instruct", LLAMA3_8B)])
+@pytest.mark.slow
 def test_shipped_configs_plan_as_the_published_ones(hub_id, config, config_dir, tmp_path, monkeypatch):
     import huggingface_hub.constants
 

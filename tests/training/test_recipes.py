@@ -22,6 +22,7 @@ def test_the_promised_recipes_exist():
 
 
 @pytest.mark.parametrize("recipe", RECIPES)
+@pytest.mark.slow
 def test_recipe_composes_and_validates(recipe):
     cfg = compose([f"+recipe={recipe}"])
     validate(cfg)
@@ -48,6 +49,7 @@ def test_design_recipes_carry_the_design_settings():
     ("data.corpus=[mtbench]", "evaluation set"),
     ("deepspeed.zero_stage=3", "zero_stage"),
 ])
+@pytest.mark.slow
 def test_bad_config_is_named(override, message):
     with pytest.raises(LyannaError, match=re.escape(message)):
         validate(compose(["+recipe=smollm2_135m", override]))

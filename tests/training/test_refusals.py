@@ -31,6 +31,7 @@ def _cfg(target, corpus, out, *extra):
 
 
 @pytest.mark.parametrize("name", sorted(DAMAGED))
+@pytest.mark.slow
 def test_a_damaged_corpus_file_is_one_line_naming_it(tmp_path, tiny_target_dir, sharegpt_records, name):
     bad = write_damaged(tmp_path, name, sharegpt_records[:5])
     with pytest.raises(LyannaError) as err:
@@ -48,11 +49,13 @@ def finished_run(tiny_target_dir, tiny_corpus, tmp_path_factory):
     return out, printed.getvalue()
 
 
+@pytest.mark.slow
 def test_the_last_line_of_a_run_without_final_metrics_ends_at_the_checkpoint(finished_run):
     out, printed = finished_run
     assert printed.splitlines()[-1] == f"done: step 2, checkpoint {out / 'checkpoints' / 'step-00000002'}"
 
 
+@pytest.mark.slow
 def test_a_checkpoint_without_deepspeeds_model_states_is_one_line(finished_run, tmp_path, tiny_target_dir,
                                                                   tiny_corpus):
     """Issue 24: DeepSpeed's bare AssertionError (no file found for its glob), exit 1."""

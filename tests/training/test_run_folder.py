@@ -96,6 +96,7 @@ def test_a_second_run_in_a_busy_folder_stops_naming_the_first_and_resumes_once_i
     assert not (out / ".lock.holder").exists()
 
 
+@pytest.mark.slow
 def test_resume_refuses_a_changed_config_naming_the_fields_and_force_continues_with_it(
         tmp_path, tiny_target_dir, tiny_corpus):
     from lyanna_train.training.deepspeed_engine import lr_lambda
@@ -134,6 +135,7 @@ def test_resume_refuses_a_changed_config_naming_the_fields_and_force_continues_w
     assert record["config"]["train"]["lr"] == 0.1 and record["metrics"]["step"] == 4
 
 
+@pytest.mark.slow
 def test_metrics_never_repeat_a_step_after_a_resume(tmp_path, tiny_target_dir, tiny_corpus):
     out = tmp_path / "run"
     cfg = _cfg(tiny_target_dir, tiny_corpus, out, "train.max_steps=4", "train.save_every=2", "train.keep_last=5")
@@ -150,6 +152,7 @@ def test_metrics_never_repeat_a_step_after_a_resume(tmp_path, tiny_target_dir, t
     assert _losses(out)[4] == pytest.approx(full[4], rel=1e-6, abs=1e-7)
 
 
+@pytest.mark.slow
 def test_resume_never_refuses_a_folder_with_checkpoints(tmp_path, tiny_target_dir, tiny_corpus):
     out = tmp_path / "run"
     train(_cfg(tiny_target_dir, tiny_corpus, out, "train.max_steps=1"))
@@ -157,6 +160,7 @@ def test_resume_never_refuses_a_folder_with_checkpoints(tmp_path, tiny_target_di
         train(_cfg(tiny_target_dir, tiny_corpus, out, "train.max_steps=1", "train.resume=never"))
 
 
+@pytest.mark.slow
 def test_what_dead_runs_left_half_written_is_removed_and_live_writers_are_left_alone(
         tmp_path, tiny_target_dir, tiny_corpus):
     out = tmp_path / "run"

@@ -77,6 +77,7 @@ def test_missing_target_is_one_line(tmp_path, tiny_corpus):
         train(cfg)
 
 
+@pytest.mark.slow
 def test_mismatched_hot_vocabulary_is_refused(tmp_path, tiny_target_dir, tiny_corpus):
     from lyanna_train.hotvocab.selection import HotVocab
     from lyanna_train.hotvocab.artifact import save_hot_vocab
@@ -88,6 +89,7 @@ def test_mismatched_hot_vocabulary_is_refused(tmp_path, tiny_target_dir, tiny_co
         train(cfg)
 
 
+@pytest.mark.slow
 def test_data_without_assistant_turns_is_refused(tmp_path, tiny_target_dir):
     from ..conftest import write_jsonl
 

@@ -29,6 +29,7 @@ class _Payload:
         return exec, (self.code,)
 
 
+@pytest.mark.slow
 def test_a_planted_pickle_in_a_checkpoint_is_refused_and_never_runs(tmp_path, tiny_target_dir, tiny_corpus):
     out, marker = tmp_path / "run", tmp_path / "marker"
     train(compose(tiny_overrides(tiny_target_dir, tiny_corpus, out, *TINY, "train.max_steps=1")))
@@ -96,6 +97,7 @@ _LOAD = ("import sys\nfrom lyanna_train.errors import LyannaError\n"
 
 
 @pytest.mark.parametrize("model_type", ["lyanna-evil", "llama"])
+@pytest.mark.slow
 def test_remote_code_in_a_target_folder_never_runs_whatever_stdin_says(tmp_path, tiny_target_dir, model_type):
     """transformers asks on stdin before running a folder's own code; a piped "y" used to run it.
     An unknown architecture is now refused in one line; a known one loads with transformers' own class."""
@@ -111,6 +113,7 @@ def test_remote_code_in_a_target_folder_never_runs_whatever_stdin_says(tmp_path,
         assert len(lines) == 1 and "never runs" in lines[0], proc.stdout + proc.stderr
 
 
+@pytest.mark.slow
 def test_the_cli_refuses_remote_code_with_one_line(tmp_path, tiny_target_dir, tiny_corpus):
     marker = tmp_path / "marker"
     evil = _evil_copy(tiny_target_dir, tmp_path / "evil", marker, "lyanna-evil")

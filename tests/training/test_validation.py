@@ -102,6 +102,7 @@ def test_the_schema_loads_without_torch():
     ("data.corpus=[]", "data.corpus = []", "a non-empty list"),
     ("eval.max_new_tokens=0", "eval.max_new_tokens = 0", "an integer >= 1"),
 ])
+@pytest.mark.slow
 def test_a_bad_value_stops_the_run_before_any_work(tmp_path, tiny_target_dir, tiny_corpus, override, shown, allowed):
     out = tmp_path / "run"
     with pytest.raises(LyannaError) as err:
@@ -118,6 +119,7 @@ def test_a_bad_value_stops_the_run_before_any_work(tmp_path, tiny_target_dir, ti
     ("data.corpus=[/no/such/corpus.jsonl]", "data.corpus"),
     ("draft.init_from=/no/such/export", "draft.init_from = '/no/such/export' is not an export directory"),
 ])
+@pytest.mark.slow
 def test_missing_inputs_are_named_before_any_work(tmp_path, tiny_target_dir, tiny_corpus, override, message):
     out = tmp_path / "run"
     with pytest.raises(LyannaError, match=re.escape(message)):
@@ -125,6 +127,7 @@ def test_missing_inputs_are_named_before_any_work(tmp_path, tiny_target_dir, tin
     assert not out.exists()
 
 
+@pytest.mark.slow
 def test_hot_vocabulary_sizes_are_checked_against_the_tokenizer_and_the_given_file(
         tmp_path, tiny_target_dir, tiny_corpus):
     from lyanna_train.hotvocab.artifact import save_hot_vocab
