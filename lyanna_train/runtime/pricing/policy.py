@@ -25,9 +25,10 @@ come (:meth:`..scheduling.scheduler.BatchDecoder.run`), the batch only shrinks: 
 is set by the row with the most tokens left, and a row that runs ahead only leaves its
 slot idle sooner while the last rows still pay for whole iterations. Each row's tokens
 then count in proportion to its tokens left (:func:`drain_weights`): the rows behind
-speculate, the ones ahead decode plainly, and rows finish together (with 16 rows of 64
-tokens on 2 CPU cores, a batch that sped every row alike spent its last ~10% of the
-time on iterations of a few rows).
+speculate, the ones ahead decode plainly instead of running further ahead (with 16 rows of
+64 tokens on 2 CPU cores, a batch that sped every row alike spent its last ~10% of the
+time on iterations of a few rows; the fused verify pads every row to one width, so rows
+still finish apart).
 """
 
 from __future__ import annotations
