@@ -174,7 +174,7 @@ def catch_up_rows(draft: DraftHead, state: BatchDraftState, rows: slice, only: l
     its row alone: padded beside it, 16 rows' prompts of 50-300 tokens cost ~20x their
     anchors and took ~0.5 s of a 64-token batch on 2 CPU cores."""
     flagged = [only is None or only[i] for i in range(rows.stop - rows.start)]
-    counts = [sum(int(t.shape[0]) for _, t in state.backlog[rows.start + i]) if f else 0 for i, f in enumerate(flagged)]
+    counts = [state.waiting(rows.start + i) if f else 0 for i, f in enumerate(flagged)]
     for i, c in enumerate(counts):
         if c > ALONE:
             _catch_up_run(draft, state, slice(rows.start + i, rows.start + i + 1), [True])
