@@ -115,10 +115,21 @@ def _regeneration(data: dict) -> list[str]:
     return lines
 
 
+def _feature_storage(data: dict) -> list[str]:
+    lines = [f"`{data['command']}`: {data['samples']} samples per run", ""]
+    rows = [[r["variant"], r["seed"], r["bytes_per_token"], r.get("tau"), r.get("heldout_top1_step0"),
+             r.get("heldout_top1_step0_on_bf16"), r["steps"], r["minutes_to_last_step"], r["minutes"]]
+            for r in data["runs"]]
+    return lines + _table(["variant", "seed", "bytes/token", "chain τ", "held-out top-1 (own features)",
+                           "held-out top-1 (the first variant's features)", "steps", "minutes to the last step",
+                           "minutes in all"], rows)
+
+
 def _render(path: Path) -> list[str] | None:
     data = json.loads(path.read_text(encoding="utf-8"))
     if path.name == "summary.json":
-        return _batched(data) if "batch_sizes" in data else _single(data) if "methods" in data else None
+        return _batched(data) if "batch_sizes" in data else _single(data) if "methods" in data else \
+            _feature_storage(data) if "runs" in data else None
     if path.name == "results.json":
         return _peer(data) if "rows" in data else _scaling(data)
     if path.name == "serve_load.json":

@@ -52,3 +52,18 @@ def test_the_regeneration_bench_has_its_table(tmp_path):
     text = render()
     assert "## `regen-x`" in text and "| runtime | 1 | 32 | 21.5 | 4/4 |" in text and "generate 2.15x" in text
     assert "one pass 5.0 s: 1.62x" in text and "1/4 samples re-tokenized otherwise" in text
+
+
+def test_the_feature_storage_bench_has_its_table(tmp_path):
+    page = _page()
+    folder = tmp_path / "results" / "fp8-x"
+    folder.mkdir(parents=True)
+    run = {"variant": "fp8", "seed": 0, "bytes_per_token": 2333.07, "tau": 1.386, "heldout_top1_step0": 0.3659,
+           "heldout_top1_step0_on_bf16": 0.366, "steps": 870, "minutes_to_last_step": 28.8, "minutes": 30.6}
+    data = {"command": "python bench/feature_storage.py --variants bf16,fp8", "samples": 587, "summary": [], "runs": [run]}
+    (folder / "summary.json").write_text(json.dumps(data))
+    render = page["render"]
+    render.__globals__["RESULTS"] = tmp_path / "results"
+    text = render()
+    assert "## `fp8-x`" in text and "587 samples per run" in text
+    assert "| fp8 | 0 | 2333.1 | 1.386 | 0.366 | 0.366 | 870 | 28.8 | 30.6 |" in text
