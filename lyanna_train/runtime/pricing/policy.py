@@ -21,16 +21,14 @@ head could return, nobody drafts.
 
 **Draining.** While requests wait, or more may come (a server), a freed slot takes the
 next one at once, so every accepted token is worth the same. Once none wait and none will
-come (:meth:`..scheduling.scheduler.BatchDecoder.run`), the batch only shrinks: it ends
-when the row with the most *iterations* left ends, and a row that runs ahead only leaves
-its slot idle sooner while the last rows still pay for whole iterations (on a CPU most of
-an iteration's cost does not depend on how many rows it holds). Each row's tokens then
-count in proportion to its iterations left — its tokens left over the tokens per iteration
-it has been getting (:func:`drain_weights`): the rows that set the batch's end speculate,
-the ones that will end sooner anyway speculate only where it is nearly free. (Weighing by
-tokens left alone, 16 rows of 64 tokens on 2 CPU cores all started at the same worth; the
-rows the head served well ran ahead and the batch spent its last fifth on iterations of a
-few rows.)
+come (:meth:`..scheduling.scheduler.BatchDecoder.run`), the batch only shrinks: its time left
+is set by the row with the most tokens left, and a row that runs ahead only leaves its
+slot idle sooner while the last rows still pay for whole iterations. Each row's tokens
+then count in proportion to its tokens left (:func:`drain_weights`): the rows behind
+speculate, the ones ahead decode plainly instead of running further ahead (with 16 rows of
+64 tokens on 2 CPU cores, a batch that sped every row alike spent its last ~10% of the
+time on iterations of a few rows; the fused verify pads every row to one width, so rows
+still finish apart).
 """
 
 from __future__ import annotations
@@ -51,13 +49,11 @@ def _prefix(probs: Sequence[float], most: int) -> list[float]:
     return sums + [sums[-1]] * (most + 1 - len(sums))
 
 
-def drain_weights(left: Sequence[int], pace: Sequence[float] | None = None) -> list[float]:
-    """Each row's tokens left, and the tokens per iteration it has been getting (None: 1
-    each) -> what one of its tokens is worth to a draining batch: its iterations left over
-    the most any row has left (that row: 1)."""
-    iterations = [max(n, 1) / p for n, p in zip(left, pace or [1.0] * len(left))]
-    most = max(iterations, default=0.0)
-    return [n / most for n in iterations]
+def drain_weights(left: Sequence[int]) -> list[float]:
+    """Each row's tokens left -> what one of its tokens is worth to a draining batch (the
+    rows with the most left: 1)."""
+    most = max(left, default=0)
+    return [max(n, 1) / most if most > 0 else 1.0 for n in left]
 
 
 CATCH_UP_HORIZON = 8  # iterations a row's catch-up (its waiting anchors' step 0) is paid back over

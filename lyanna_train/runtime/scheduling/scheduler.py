@@ -149,8 +149,8 @@ class BatchDecoder:
         """Admit, then one iteration for the running rows -> each request's news this step.
 
         ``closed``: no request will come after those queued (:meth:`run` steps so). Once none
-        waits either, the batch drains and the policy weighs each row's tokens by its
-        iterations left (:func:`..pricing.policy.drain_weights`). A server's steps are never closed: a
+        waits either, the batch drains and the policy weighs each row's tokens by its tokens
+        left (:func:`..pricing.policy.drain_weights`). A server's steps are never closed: a
         freed slot is taken by the next request a client sends."""
         updates = [Update(r) for r in self._refused]
         self._refused = []
@@ -158,8 +158,7 @@ class BatchDecoder:
             self._admit(updates)
             if not self._blocks:  # mid hold-cycle, rows stay in place until it is verified
                 self._free_done()
-            self.batch.weights = drain_weights([self._left(row) for row in self.rows],
-                                               [_pace(row) for row in self.rows]) \
+            self.batch.weights = drain_weights([self._left(row) for row in self.rows]) \
                 if closed and not self.waiting else None
             if self.rows and self.fusion.micro_batches == 1:
                 rows = slice(0, len(self.rows))
@@ -303,15 +302,6 @@ class BatchDecoder:
                 n = len(tree)
                 recorder.keep(request, aux[0, :n], recorder.last[0, :n], logits[0, :n])
             request.features = recorder.finish(request, ids + extra)
-
-
-PACE_PRIOR = 2  # a row's pace starts as if it had run this many iterations of one token
-
-
-def _pace(row: Row) -> float:
-    """Tokens per verify iteration ``row`` has been getting (its prefill's token left out)."""
-    request = row.request
-    return (len(request.tokens) - 1 + PACE_PRIOR) / (request.target_forwards - 1 + PACE_PRIOR)
 
 
 def _measured(cost: Costs | None, target):
