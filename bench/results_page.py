@@ -128,8 +128,11 @@ def _feature_storage(data: dict) -> list[str]:
 def _render(path: Path) -> list[str] | None:
     data = json.loads(path.read_text(encoding="utf-8"))
     if path.name == "summary.json":
-        return _batched(data) if "batch_sizes" in data else _single(data) if "methods" in data else \
-            _feature_storage(data) if "runs" in data else None
+        if "batch_sizes" in data:
+            return _batched(data)
+        if "methods" in data:
+            return _single(data)
+        return _feature_storage(data) if "runs" in data else None
     if path.name == "results.json":
         return _peer(data) if "rows" in data else _scaling(data)
     if path.name == "serve_load.json":
