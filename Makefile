@@ -18,6 +18,10 @@ $(STAMP): pyproject.toml Makefile
 	# DeepSpeed builds from source against the torch above (isolation would fetch another torch).
 	$(BIN)/pip install -q --no-build-isolation deepspeed
 	$(BIN)/pip install -q -e '.[serve,test]'  # serve: lyanna-serve's FastAPI, uvicorn, prometheus-client
+	# DeepSpeed JIT-builds its CPU communication op on first use (~1 min on 2 cores): build it here,
+	# where the tests look for it (tests/conftest.py), with the environment's own ninja.
+	PATH=$(abspath $(BIN)):$$PATH TORCH_EXTENSIONS_DIR=$(abspath $(VENV))/torch_extensions $(BIN)/python -c \
+		"from deepspeed.comm.torch import build_shm_op; build_shm_op()"
 	# The speculators library, for conformance tests that load our exports with its own code
 	# (tests/export/test_conformance_speculators.py). It supports transformers <= 5.19 only, so it
 	# lives apart in $(VENV)/consumers (put on PYTHONPATH by those tests), with the few small

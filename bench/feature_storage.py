@@ -46,8 +46,10 @@ def train_run(run_dir: Path, overrides: list[str]) -> tuple[float, float]:
     """One lyanna-train run (resumed if it stopped); returns its start (epoch seconds) and wall minutes."""
     cmd = [sys.executable, "-m", "lyanna_train.cli.train", "+recipe=smollm2_135m", f"train.out_dir={run_dir}",
            *overrides]
-    # DeepSpeed's CPU op is built once per environment (as tests/conftest.py does), not timed in a run
-    env = {"TORCH_EXTENSIONS_DIR": str(Path(sys.prefix) / "torch_extensions"), **os.environ}
+    # DeepSpeed's CPU op is built once per environment, with its own ninja (as `make install` and
+    # tests/conftest.py do), not timed in a run
+    env = {"TORCH_EXTENSIONS_DIR": str(Path(sys.prefix) / "torch_extensions"), **os.environ,
+           "PATH": os.pathsep.join([str(Path(sys.prefix) / "bin"), os.environ.get("PATH", "")])}
     started, start = time.time(), time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if proc.returncode:

@@ -1,5 +1,5 @@
 """Writes bench/results/README.md from the result files under bench/results/ (summary.json,
-results.json, serve_load.json, regeneration.json), so no figure on that page is copied by hand.
+results.json, serve_load.json, regeneration.json, gpu_check.json), so no figure on that page is copied by hand.
 
     python bench/results_page.py            # rewrite the page
     python bench/results_page.py --check    # exit 1 when the page is stale (what the test runs)
@@ -125,6 +125,25 @@ def _feature_storage(data: dict) -> list[str]:
                            "minutes in all"], rows)
 
 
+def _regenerated_data(data: dict) -> list[str]:
+    regen = data["regeneration"]
+    lines = [f"`{data['command']}`: regenerated {regen['conversations']} conversations in "
+             f"{regen['seconds'] / 60:.1f} min ({data['seconds_per_regenerated_conversation']:.2f} s each, features "
+             f"written in the same pass); training {data['training_seconds_per_sample']:.2f} s per sample; "
+             f"budget {data['budget_min']:g} min", ""]
+    rows = [[name, r["samples"], r["loss_tokens"], r.get("eval/mean_tau_verify"), r.get("heldout_top1_on_sharegpt"),
+             r.get("heldout_top1_on_regenerated"), r.get("regeneration_minutes"), r.get("minutes_to_last_step")]
+            for name, r in data["heads"].items()]
+    return lines + _table(["head", "samples", "loss tokens", "chain τ", "held-out top-1 (ShareGPT answers)",
+                           "held-out top-1 (regenerated answers)", "regeneration minutes", "run minutes"], rows)
+
+
+def _gpu_check(data: dict) -> list[str]:
+    rows = [[r["step"], "ok" if r["ok"] else "FAILED", f"{r['seconds']:.0f}", r["figure"]] for r in data["rows"]]
+    return [f"{data['device']}, torch {data['torch']}, {data['date']}: `{data['command']}`", ""] + _table(
+        ["step", "result", "seconds", "figure"], rows)
+
+
 def _render(path: Path) -> list[str] | None:
     data = json.loads(path.read_text(encoding="utf-8"))
     if path.name == "summary.json":
@@ -132,6 +151,8 @@ def _render(path: Path) -> list[str] | None:
             return _batched(data)
         if "methods" in data:
             return _single(data)
+        if "heads" in data:
+            return _regenerated_data(data)
         return _feature_storage(data) if "runs" in data else None
     if path.name == "results.json":
         return _peer(data) if "rows" in data else _scaling(data)
@@ -139,6 +160,8 @@ def _render(path: Path) -> list[str] | None:
         return _serve(data)
     if path.name == "regeneration.json":
         return _regeneration(data)
+    if path.name == "gpu_check.json":
+        return _gpu_check(data)
     return None
 
 

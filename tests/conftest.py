@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -15,7 +16,17 @@ os.environ.setdefault("WANDB_MODE", "offline")
 # DeepSpeed JIT-builds a CPU communication op into TORCH_EXTENSIONS_DIR (default: one folder in
 # ~/.cache shared by every checkout); each virtual environment's include paths differ, so
 # checkouts sharing a machine rebuild it for each other (minutes each). One folder per venv.
-os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path(__import__("sys").prefix) / "torch_extensions"))
+os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path(sys.prefix) / "torch_extensions"))
+# ...with the environment's own ninja first on PATH, as `make install` built it: a system ninja
+# of another version hashes build commands differently, and the op would be rebuilt each run.
+os.environ["PATH"] = os.pathsep.join([str(Path(sys.prefix) / "bin"), os.environ.get("PATH", "")])
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _WORKERS > 1:
+    # pytest-xdist workers share the cores: each one's torch (and every process it starts)
+    # gets its share of them, as OpenMP threads waiting on a busy core spin instead of working.
+    _THREADS = max(1, len(os.sched_getaffinity(0)) // _WORKERS)
+    torch.set_num_threads(_THREADS)
+    os.environ.setdefault("OMP_NUM_THREADS", str(_THREADS))
 if not torch.cuda.is_available():
     # Triton kernels run on the CPU through its interpreter, which must be chosen before
     # triton is first imported (transformers imports it): here, before any test module.
@@ -218,18 +229,38 @@ def _fit(target, draft, sequences, steps: int, lr: float):
 
 
 @pytest.fixture(scope="session")
-def smollm2_fitted(smollm2_tokenizer):
+def smollm2_fitted(smollm2_tokenizer, tmp_path_factory):
     """The embedded SmolLM2 (fp32, torch's own linears), two prompts with its greedy
-    continuations, and a draft head distilled (a few seconds, :func:`fit_draft`) on those
-    continuations, so that its candidates ARE accepted."""
+    continuations, and a draft head distilled (:func:`fit_draft`) on those continuations, so
+    that its candidates ARE accepted. Fitted once per run: the first pytest-xdist worker to
+    need it saves it beside the workers' temp folders, the others load it (it took ~45-80 s
+    per worker on 2 cores)."""
     from types import SimpleNamespace
 
-    from lyanna_train.models.config import DraftConfig
+    from filelock import FileLock
+
     from lyanna_train.models.draft_head import DraftHead
     from lyanna_train.target.model import load_target_model
 
     target = load_target_model("smollm2")
-    prompts = [smollm2_tokenizer(text)["input_ids"] for text in ("The capital of France is", "def fibonacci(n):")]
+    shared = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        shared = shared.parent  # one folder above every worker's own
+    saved = shared / "smollm2_fitted.pt"
+    with FileLock(str(saved) + ".lock"):
+        if not saved.exists():
+            torch.save(_fit_smollm2(target, smollm2_tokenizer), saved)
+        fitted = torch.load(saved, weights_only=False)  # written just above, by this run
+    draft = DraftHead(fitted["cfg"], fitted["hot"], target.get_input_embeddings().weight)
+    draft.load_state_dict(fitted["state"])
+    return SimpleNamespace(target=target, draft=draft.eval(), prompts=fitted["prompts"], refs=fitted["refs"])
+
+
+def _fit_smollm2(target, tokenizer) -> dict:
+    from lyanna_train.models.config import DraftConfig
+    from lyanna_train.models.draft_head import DraftHead
+
+    prompts = [tokenizer(text)["input_ids"] for text in ("The capital of France is", "def fibonacci(n):")]
     with torch.inference_mode():
         fulls = [target.generate(torch.tensor([p]), max_new_tokens=40, do_sample=False)[0].tolist() for p in prompts]
     refs = [full[len(p):len(p) + 24] for p, full in zip(prompts, fulls)]
@@ -240,4 +271,4 @@ def smollm2_fitted(smollm2_tokenizer):
     cfg = DraftConfig.from_target(target.config, draft_vocab_size=2048, pool_size=128, pool_threshold=0.0,
                                   aux_layer_ids=(1, 14, 26))
     draft = fit_draft(target, DraftHead(cfg, hot, target.get_input_embeddings().weight), fulls, steps=150)
-    return SimpleNamespace(target=target, draft=draft, prompts=prompts, refs=refs)
+    return {"cfg": cfg, "hot": hot, "state": draft.state_dict(), "prompts": prompts, "refs": refs}

@@ -28,7 +28,9 @@ def top1_agreement(draft, batches: Iterable[dict], steps: int, lm_weight: torch.
     in_hot = 0
     vocab = draft.cfg.draft_vocab_size
     try:
+        device = next(draft.parameters()).device
         for batch in batches:
+            batch = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
             ids, loss_mask, valid = batch["input_ids"], batch["loss_mask"], batch["valid"]
             top1 = batch.get("teacher_top1")
             if top1 is None:

@@ -46,9 +46,16 @@ def noisy_features(aux: torch.Tensor, valid: torch.Tensor, scale: float) -> torc
     return aux + scale * rms * torch.randn_like(aux)
 
 
+def on_device(batch: dict, device: torch.device) -> dict:
+    """A batch's tensors on ``device`` (copied asynchronously from the host when it is a GPU)."""
+    return {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+
+
 def distill_loss(draft, batch: dict, lm_weight: torch.Tensor, loss_cfg) -> tuple[torch.Tensor, dict]:
     """batch: aux [B, T, 3Ht], last [B, T, Ht], input_ids / loss_mask / valid [B, T] ->
-    (weighted loss, metrics as 0-d tensors; nothing is synced to the host here)."""
+    (weighted loss, metrics as 0-d tensors; nothing is synced to the host here). The batch
+    comes from the host (cache shards, the online extractor) and moves to the draft's device."""
+    batch = on_device(batch, next(draft.parameters()).device)
     aux, last = batch["aux"].float(), batch["last"].float()
     ids, loss_mask, valid = batch["input_ids"], batch["loss_mask"], batch["valid"]
     if loss_cfg.positions == "all":  # user turns too: more signal from the same target forwards

@@ -67,3 +67,20 @@ def test_the_feature_storage_bench_has_its_table(tmp_path):
     text = render()
     assert "## `fp8-x`" in text and "587 samples per run" in text
     assert "| fp8 | 0 | 2333.1 | 1.386 | 0.366 | 0.366 | 870 | 28.8 | 30.6 |" in text
+
+
+def test_the_regenerated_data_bench_has_its_table(tmp_path):
+    page = _page()
+    folder = tmp_path / "results" / "regen-data-x"
+    folder.mkdir(parents=True)
+    head = {"samples": 218, "loss_tokens": 70123, "eval/mean_tau_verify": 1.31, "heldout_top1_on_sharegpt": 0.301,
+            "heldout_top1_on_regenerated": 0.452, "regeneration_minutes": 21.8, "minutes_to_last_step": 8.2}
+    data = {"command": "python bench/regenerated_data.py --samples 300", "budget_min": 30.0,
+            "regeneration": {"conversations": 300, "seconds": 1800.0}, "seconds_per_regenerated_conversation": 6.0,
+            "training_seconds_per_sample": 2.25, "heads": {"regenerated_budget": head}}
+    (folder / "summary.json").write_text(json.dumps(data))
+    render = page["render"]
+    render.__globals__["RESULTS"] = tmp_path / "results"
+    text = render()
+    assert "## `regen-data-x`" in text and "regenerated 300 conversations in 30.0 min (6.00 s each" in text
+    assert "| regenerated_budget | 218 | 70123 | 1.310 | 0.301 | 0.452 | 21.8 | 8.200 |" in text

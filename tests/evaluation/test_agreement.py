@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from lyanna_train.evaluation.agreement import top1_agreement
 from lyanna_train.models.config import DraftConfig
 from lyanna_train.models.draft_head import DraftHead
+from lyanna_train.training.config import LossConf
+from lyanna_train.training.step import distill_loss
 
 H, V, VD = 16, 50, 20
 
@@ -57,3 +60,17 @@ def test_teacher_top1_from_last_states_when_the_cache_has_no_summary():
     with_summary = top1_agreement(head, [batch], 2)
     del batch["teacher_top1"]
     assert top1_agreement(head, [batch], 2, lm_weight=lm) == with_summary
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_draft_on_the_gpu_takes_batches_from_the_host():
+    """Cache shards and the online extractor hand batches over on the host: the agreement and
+    the training loss move them to the draft's device (the first GPU run stopped here)."""
+    head, batch = _head(), _batch()
+    on_cpu = top1_agreement(head, [batch], 2)
+    on_gpu = top1_agreement(head.cuda(), [batch], 2)
+    assert on_gpu["positions"] == on_cpu["positions"] > 0
+    batch["last"] = torch.randn(2, 11, H)
+    loss, _ = distill_loss(head, batch, torch.randn(V, H, device="cuda"), LossConf(ttt_steps=2))
+    assert loss.device.type == "cuda" and torch.isfinite(loss)
