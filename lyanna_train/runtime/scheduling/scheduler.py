@@ -290,9 +290,10 @@ class BatchDecoder:
             limit = self.batch.max_positions
             if limit is not None and len(ids) + len(extra) > limit:
                 extra = []  # the context is full: the answer stays unclosed
-            if recorder.count(request) < len(ids) + len(extra):
+            if extra or recorder.count(request) < len(ids):
                 # re-score from the answer's last token: the root of no verify yet, or (a request
-                # cut inside an accepted path) followed in both caches by tokens it does not keep
+                # cut inside an accepted path) followed in both caches by tokens it does not keep,
+                # whose positions the closing tokens take
                 start = len(ids) - 1
                 recorder.cut(request, start)
                 self.batch.cache.lengths[slot] = start
