@@ -46,8 +46,12 @@ class FeatureExtractor:
         """Features for ``input_ids`` [B, T].
 
         Pad on the right and pass no mask: attention is causal, so real tokens never see
-        the padding, and the mask-free path lets SDPA use its fast causal kernel.
+        the padding, and the mask-free path lets SDPA use its fast causal kernel. Ids made on
+        the host go to the target's device; the features stay there.
         """
+        device = self.model.device
+        input_ids = input_ids.to(device)
+        attention_mask = attention_mask.to(device) if attention_mask is not None else None
         with self.capture, torch.inference_mode():
             out = self.model.base_model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
             aux = self.capture.aux()

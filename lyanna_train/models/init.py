@@ -98,9 +98,11 @@ def feature_scale(aux: torch.Tensor, first: torch.Tensor | None = None) -> torch
 @torch.no_grad()
 def set_aux_scale(draft: DraftHead, scale: torch.Tensor, keep_function: bool = False) -> None:
     """Install a per-dimension feature scale; with ``keep_function`` fc is rescaled so that
-    fc(aux · scale) computes what it did before (e.g. after a pass-through initialisation)."""
+    fc(aux · scale) computes what it did before (e.g. after a pass-through initialisation).
+    ``scale`` comes from features wherever they are (cache shards: the host) and moves to the draft."""
     if not draft.cfg.aux_scale:
         raise LyannaError("this draft has no feature scale (draft.aux_scale is off)")
+    scale = scale.to(draft.aux_scale.device)
     if keep_function:
         draft.fc.weight.mul_((draft.aux_scale / scale).to(draft.fc.weight)[None, :])
     draft.aux_scale.copy_(scale)

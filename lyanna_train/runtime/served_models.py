@@ -14,11 +14,13 @@ from ..errors import LyannaError
 
 def load_models(draft_dir: str | None, target_spec: str | None, need_draft: bool = True, threads: int | None = None):
     """(target, tokenizer, draft or None): the target is the one the draft was exported for
-    unless ``target_spec`` says otherwise (the export reader then checks its fingerprint). Tuning
-    for the machine is the caller's next step (:func:`.cpu_tuning.tune`)."""
+    unless ``target_spec`` says otherwise (the export reader then checks its fingerprint). The
+    target goes to the GPU where there is one (the draft follows it). Tuning for the machine
+    is the caller's next step (:func:`.cpu_tuning.tune`)."""
     from transformers.utils import logging as hf_logging
 
     from ..export.reader import load_exported, read_manifest
+    from ..target.precision import default_device_type
     from ..target.source import load_tokenizer
     from ..target.model import load_target_model
 
@@ -34,7 +36,7 @@ def load_models(draft_dir: str | None, target_spec: str | None, need_draft: bool
         raise LyannaError(f"{draft_dir}/manifest.json does not name its target: pass --target")
     hf_logging.disable_progress_bar()  # "Loading weights" would interleave with the generated text
     try:
-        tokenizer, target = load_tokenizer(spec), load_target_model(spec)
+        tokenizer, target = load_tokenizer(spec), load_target_model(spec).to(default_device_type())
     finally:
         hf_logging.enable_progress_bar()
     draft = load_exported(draft_dir, target, tokenizer)[0] if draft_dir is not None and need_draft else None

@@ -57,12 +57,18 @@ class Fit:
 
 
 def _timed(fn, repeats: int = 2) -> float:
-    """Best of ``repeats`` after one warm-up call (first calls pay allocation and dispatch)."""
-    fn()
+    """Best of ``repeats`` after one warm-up call (first calls pay allocation and dispatch);
+    on a GPU each call is waited for, not only launched."""
+    def call():
+        fn()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+
+    call()
     best = float("inf")
     for _ in range(repeats):
         start = time.perf_counter()
-        fn()
+        call()
         best = min(best, time.perf_counter() - start)
     return best
 
@@ -97,7 +103,7 @@ def measure(parts, samples: list, cfg) -> Costs:
         draft.zero_grad(set_to_none=True)
 
     train_s = _timed(train_step)
-    decode_s = _decode_step(parts.target, ids[:1, :1])
+    decode_s = _decode_step(parts.target, ids[:1, :1].to(parts.target.device))
     return Costs(feature_s / tokens, train_s / tokens, decode_s)
 
 

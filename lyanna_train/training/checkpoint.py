@@ -72,7 +72,7 @@ def save(engine, root: Path, step: int, client_state: dict, write_main, keep_las
         cause = write_failure(err, partial)
         if cause is None:
             raise
-    failed = torch.tensor([0.0 if cause is None else 1.0])
+    failed = torch.tensor([0.0 if cause is None else 1.0], device=engine.device)  # NCCL reduces GPU tensors only
     if engine.world_size > 1:
         torch.distributed.all_reduce(failed, op=torch.distributed.ReduceOp.MAX)
     if failed.item():

@@ -24,6 +24,12 @@ def _on_gpu() -> bool:
     return torch.cuda.is_available()
 
 
+def rank_device() -> torch.device:
+    """This rank's device: GPU ``LOCAL_RANK`` where there is CUDA (the one DeepSpeed puts the
+    draft on, so the target and its features go there too), else the CPU."""
+    return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if _on_gpu() else torch.device("cpu")
+
+
 def _free_port() -> int:
     import socket
 
@@ -44,6 +50,8 @@ def init_distributed(backend: str = "auto") -> tuple[int, int]:
     os.environ.setdefault("RANK", "0")
     os.environ.setdefault("LOCAL_RANK", "0")
     os.environ.setdefault("WORLD_SIZE", "1")
+    if _on_gpu():  # DeepSpeed sets it only in its engine; NCCL collectives before that use it (else GPU 0 on all ranks)
+        torch.cuda.set_device(rank_device())
     deepspeed.init_distributed(dist_backend=backend, verbose=False)
     return torch.distributed.get_rank(), torch.distributed.get_world_size()
 
@@ -94,6 +102,10 @@ class Engine:
     @property
     def module(self) -> torch.nn.Module:
         return self.engine.module
+
+    @property
+    def device(self) -> torch.device:
+        return self.engine.device
 
     @property
     def lr(self) -> float:

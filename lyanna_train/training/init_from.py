@@ -49,7 +49,8 @@ def _carry_over(new: DraftHead, head: DraftHead) -> int:
         pairs = [(i, row_of[int(t)]) for i, t in enumerate(new.hot_ids.tolist()) if int(t) in row_of]
         if pairs:
             mine, old = (torch.tensor(p) for p in zip(*pairs))
-            new.lm_head.weight[mine] = head.lm_head.weight[old].to(new.lm_head.weight.dtype)
+            # the exported head sits on the target's device, the new one is built on the host
+            new.lm_head.weight[mine] = head.lm_head.weight[old].to(new.lm_head.weight)
     return len(pairs)
 
 

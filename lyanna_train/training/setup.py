@@ -24,6 +24,7 @@ from ..models.init import init_from_target
 from ..target.fingerprint import tokenizer_fingerprint, vocab_size
 from ..target.source import load_tokenizer
 from ..target.model import load_target_model, target_fingerprint
+from .deepspeed_engine import rank_device
 
 
 @dataclass
@@ -155,7 +156,9 @@ def build_parts(cfg, out_dir: Path, is_main: bool) -> RunParts:
     from ..target.capture import check_layer_ids, default_layer_ids
 
     tokenizer = load_tokenizer(cfg.target.name)
-    target = load_target_model(cfg.target.name, dtype=getattr(torch, cfg.target.dtype))
+    # on the device DeepSpeed trains the draft on: the features, the teacher's LM head and the
+    # evaluation's decoding meet the draft there
+    target = load_target_model(cfg.target.name, dtype=getattr(torch, cfg.target.dtype)).to(rank_device())
     if cfg.draft.init_from:  # fine-tune an exported or imported head
         return parts_from_export(cfg, tokenizer, target, out_dir, is_main)
     layers = target.config.num_hidden_layers
@@ -170,6 +173,7 @@ def build_parts(cfg, out_dir: Path, is_main: bool) -> RunParts:
     init_from_target(draft, target, lm_head=init.lm_head, layer=init.layer, fc=init.fc)
     if cfg.draft.freeze_lm_head:
         draft.lm_head.weight.requires_grad_(False)
+    draft.to(target.device)  # built (and seeded) on the host, as on a CPU run
     lm_weight = target.get_output_embeddings().weight.detach()
     return RunParts(tokenizer, target, hot_ids, draft, lm_weight, layer_ids, eval_prompts(cfg, tokenizer))
 
@@ -182,6 +186,7 @@ def parts_from_export(cfg, tokenizer, target, out_dir: Path, is_main: bool) -> R
         say=print if is_main else (lambda *_: None))
     if cfg.draft.freeze_lm_head:
         draft.lm_head.weight.requires_grad_(False)
+    draft.to(target.device)
     lm_weight = target.get_output_embeddings().weight.detach()
     return RunParts(tokenizer, target, hot_ids, draft, lm_weight, layer_ids, eval_prompts(cfg, tokenizer))
 

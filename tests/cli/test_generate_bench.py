@@ -405,3 +405,25 @@ def test_every_bench_table_row_has_a_cell_under_every_heading(depths):
     results = {1: {"target": row, "lyanna": {**row, "identical": 2}}, 4: {"plain": {**row, "vs_target": None}}}
     lines = batched_table(results).splitlines()
     assert {cells(line) for line in lines} == {cells(lines[0])} and len(lines) == 5
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_the_served_target_and_draft_decode_on_the_gpu(tmp_path, target, tokenizer):
+    """With CUDA the CLIs' target goes to the GPU and the draft follows it; the tuning times the
+    GPU's work, and greedy decoding there is the target's own."""
+    from lyanna_train.runtime.cpu.tuning import tune
+    from lyanna_train.runtime.scheduling.scheduler import generate
+    from lyanna_train.runtime.served_models import load_models
+
+    from ..tiny_models import export_random_draft
+
+    on_gpu, _, draft = load_models(str(export_random_draft(tmp_path, target, tokenizer)), None)
+    assert on_gpu.device.type == "cuda" and draft.fc.weight.device == on_gpu.device
+    settings = load_decode_settings("default")
+    cost = tune(on_gpu, draft, shape=settings.tree, cache=False)
+    assert all(s > 0 for s in cost.verify.seconds)
+    prompt = render_prompt(tokenizer, [{"role": "user", "content": "Write about tea."}])
+    ref = on_gpu.generate(torch.tensor([prompt], device=on_gpu.device), max_new_tokens=24, do_sample=False,
+                          pad_token_id=0)
+    assert generate(on_gpu, draft, prompt, 24, settings, cost=cost).tokens == ref[0, len(prompt):].tolist()

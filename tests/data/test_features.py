@@ -131,3 +131,26 @@ def test_embedded_smollm2_features_match_hidden_states(smollm2_tokenizer):
     torch.testing.assert_close(feats.last, last, rtol=0, atol=1e-5)
     torch.testing.assert_close(model.lm_head(feats.last), logits, rtol=1e-4, atol=1e-4)
     assert smollm2_tokenizer.decode(logits[0, -1].argmax()).strip() == "Paris"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_target_on_the_gpu_takes_ids_from_the_host(tiny_target, tiny_target_dir):
+    """Samples are tokenized on the host: the extractor hands them to the target's device, and
+    a cache shard computed there holds the same rows, on the host."""
+    from lyanna_train.data.feature_cache_writer import ShardSamples, compute_shard
+
+    on_gpu = load_target_model(str(tiny_target_dir)).cuda()
+    ids = torch.randint(0, 256, (2, 9), generator=torch.Generator().manual_seed(0))
+    want, got = FeatureExtractor(tiny_target, (0, 1, 2))(ids), FeatureExtractor(on_gpu, (0, 1, 2))(ids)
+    assert got.aux.is_cuda and got.last.is_cuda
+    torch.testing.assert_close(got.aux.cpu(), want.aux, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(got.last.cpu(), want.last, rtol=1e-4, atol=1e-4)
+    group = ShardSamples(shard=0, first=0)
+    for i, row in enumerate(ids):
+        group.add(i, row.to(torch.int32), torch.ones(len(row), dtype=torch.bool))
+    host = compute_shard(FeatureExtractor(tiny_target, (0, 1, 2)), group, 64)
+    shard = compute_shard(FeatureExtractor(on_gpu, (0, 1, 2)), group, 64)
+    assert all(t.device.type == "cpu" for t in shard.values())
+    torch.testing.assert_close(shard["aux"].float(), host["aux"].float(), rtol=1.6e-2, atol=1e-2)
+    torch.testing.assert_close(shard["teacher_lse"], host["teacher_lse"], rtol=1e-4, atol=1e-4)

@@ -117,3 +117,19 @@ def test_feature_scale_skips_first_tokens_and_set_aux_scale_can_keep_fc_s_functi
     plain = draft_for(target)
     with pytest.raises(LyannaError, match="no feature scale"):
         set_aux_scale(plain, scale)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_feature_scale_from_the_host_goes_to_a_draft_on_the_gpu():
+    """The trainer measures the scale on cached features (on the host) once the draft is on its GPU."""
+    from lyanna_train.models.init import set_aux_scale
+
+    target = tiny_target()
+    draft = init_from_target(draft_for(target, aux_scale=True), target, fc="top_layer").cuda()
+    scale = torch.rand(96) + 0.5
+    x = torch.randn(4, 96, device="cuda")
+    before = draft.fuse_features(x)
+    set_aux_scale(draft, scale, keep_function=True)
+    torch.testing.assert_close(draft.fuse_features(x), before, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(draft.aux_scale.cpu(), scale)

@@ -105,3 +105,24 @@ def test_speculative_sampling_matches_the_targets_next_two_tokens(tiny_target, p
             n += 1
     assert n > 100
     _within_noise(second, p2, n)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_sampling_on_a_gpu_target_draws_with_generators_on_the_gpu(tiny_target):
+    """Each row's seeded generator is made on the target's device: torch samples CUDA tensors
+    with CUDA generators only (a host one raises)."""
+    import copy
+
+    target = copy.deepcopy(tiny_target).cuda()
+    draft = make_draft(target, pool=True).cuda()
+    settings = DecodeSettings(TreeShape(2, 2, 2, 4), LookupSettings(3, pool_tokens=2), SamplingParams(1.0, top_k=8),
+                              seed=7, verify="all")
+    prompt = [1, 17, 200, 5, 99, 42, 7, 130, 17, 200]
+    runs = [generate(target, draft, prompt, 12, settings, eos_ids=(), layer_ids=LAYER_IDS).tokens for _ in range(2)]
+    assert len(runs[0]) == 12 and runs[0] == runs[1]  # the request's seed fixes its tokens
+    tree = TokenTree.rooted_at(0)
+    tree.add_path([3])
+    probs = torch.full((2, 5), 0.2, dtype=torch.float64, device="cuda")
+    path, token = accept_tree_sampling(tree, probs, torch.Generator("cuda").manual_seed(0))
+    assert path[0] == 0 and 0 <= token < 5

@@ -117,3 +117,19 @@ def test_auto_precision_follows_the_machine(tmp_path, tiny_target_dir, tiny_corp
     assert lines[0].startswith("target.dtype=auto -> ") and lines[1].startswith("train.autocast=auto -> ")
     if not native:
         assert "no native bf16 on this cpu" in lines[0]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_on_a_gpu_the_parts_and_the_measurement_run_there(tmp_path, tiny_target_dir, tiny_corpus):
+    """build_parts puts the target and the draft on the rank's GPU (the draft's embeddings stay
+    the target's own table), and the budget's measurement feeds them samples made on the host."""
+    cfg = _cfg(tmp_path, tiny_target_dir, tiny_corpus, "draft.aux_scale=true", "draft.target_init.fc=top_layer")
+    parts = build_parts(cfg, tmp_path / "run", True)
+    device = parts.target.device
+    assert device.type == "cuda" and parts.lm_weight.device == device
+    assert all(t.device == device for t in (*parts.draft.parameters(), *parts.draft.buffers()))
+    assert parts.draft.embed_weight.data_ptr() == parts.target.get_input_embeddings().weight.data_ptr()
+    batch = [s for _, s in zip(range(2), training_samples(cfg, parts.tokenizer))]
+    costs = budget.measure(parts, batch, cfg)
+    assert all(0 < v < 10 for v in (costs.feature, costs.train, costs.decode))

@@ -99,3 +99,20 @@ def test_a_head_for_another_target_is_refused(tmp_path, tiny_corpus, tiny_target
     smollm2_tokenizer.save_pretrained(other)
     with pytest.raises(LyannaError, match="another target"):
         _run(tmp_path, other, tiny_corpus, imported[0])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_rows_carry_over_from_an_exported_head_on_the_gpu():
+    """The exported head loads on the target's device (the GPU); the head to train is built on the host."""
+    from lyanna_train.training.init_from import _carry_over
+
+    cfg = DraftConfig(target_hidden_size=16, vocab_size=50, draft_vocab_size=10, hidden_size=16, intermediate_size=32,
+                      num_attention_heads=2, num_key_value_heads=1, head_dim=8, pool_size=0, alpha_max=0.0)
+    torch.manual_seed(0)
+    embed = torch.randn(50, 16)
+    head = DraftHead(cfg, torch.arange(10), embed).cuda()
+    new = DraftHead(cfg, torch.arange(5, 15), embed)
+    assert _carry_over(new, head) == 5  # target ids 5..9: the head's rows 5..9 become the new rows 0..4
+    torch.testing.assert_close(new.lm_head.weight[:5], head.lm_head.weight[5:].cpu())
+    torch.testing.assert_close(new.fc.weight, head.fc.weight.cpu())

@@ -208,3 +208,14 @@ def test_heldout_agreement_and_the_issue_11_levers_in_a_run(tmp_path, tiny_targe
     emb = target.get("model.embed_tokens.weight")
     hot = weights["d2t"] + torch.arange(len(weights["d2t"]))
     torch.testing.assert_close(weights["lm_head.weight"], emb[hot])  # frozen at its initialisation
+
+
+def test_a_rank_trains_on_its_local_gpu_where_there_is_cuda(monkeypatch):
+    """The target and the draft go where DeepSpeed puts the draft: GPU ``LOCAL_RANK``, else the CPU."""
+    from lyanna_train.training import deepspeed_engine
+
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    monkeypatch.setattr(deepspeed_engine, "_on_gpu", lambda: True)
+    assert deepspeed_engine.rank_device() == torch.device("cuda", 3)
+    monkeypatch.setattr(deepspeed_engine, "_on_gpu", lambda: False)
+    assert deepspeed_engine.rank_device() == torch.device("cpu")

@@ -186,7 +186,9 @@ class BatchDecoder:
                 room = min(room, self.batch.max_positions - len(request.prompt))
             context = torch.zeros(len(request.prompt) + min(room, 4096) + 64, dtype=torch.long)  # Row.append grows
             context[:len(request.prompt)] = torch.tensor(request.prompt)
-            row = Row(request, context, len(request.prompt), torch.Generator().manual_seed(request.seed),
+            # the generator lives where the logits it samples from are (the target's device)
+            generator = torch.Generator(self.batch.target.device).manual_seed(request.seed)
+            row = Row(request, context, len(request.prompt), generator,
                       AcceptanceEstimates(getattr(self.batch.draft, "measured_acceptance", ())))
             slot = len(self.rows)
             self.rows.append(row)

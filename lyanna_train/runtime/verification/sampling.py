@@ -37,14 +37,15 @@ def accept_tree_sampling(tree: TokenTree, probs: torch.Tensor, generator: torch.
     """Walk the tree by sequential rejection of point-mass candidates.
 
     probs [N, V]: the target's warped distribution after the path to each node. Returns the
-    accepted path (node indices, root first) and the token sampled after it.
+    accepted path (node indices, root first) and the token sampled after it. ``generator``
+    is on the device of ``probs`` (torch samples on a device with that device's generators).
     """
     node, path = 0, [0]
     while True:
         left = probs[node].clone()
         for token, child in tree.children[node].items():
             mass = left.sum()
-            if torch.rand((), generator=generator, dtype=torch.float64) * mass < left[token]:
+            if torch.rand((), generator=generator, dtype=torch.float64, device=probs.device) * mass < left[token]:
                 node = child
                 path.append(child)
                 break
