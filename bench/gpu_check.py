@@ -75,7 +75,8 @@ def main(argv=None) -> int:
     run_dir, export_dir = out / "run", out / "export"
 
     if "kernels" in steps:
-        ok, secs, text = run([py, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "gpu", "tests"], left(150), out / "kernels.log")
+        ok, secs, text = run([py, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "gpu", "tests"], left(150),
+                             out / "kernels.log")
         rows.append(("kernels vs references (compiled)", ok, secs, _last(r"(\d+ passed[^\n]*)", text)))
 
         ok, secs, text = run([py, "bench/gpu_kernels.py", "--dtype", "bf16"], left(90), out / "gpu_kernels.log")
