@@ -82,16 +82,13 @@ def test_auto_widths_stay_lossless_and_follow_the_batch(tiny_target, references)
     assert len({size for r in requests for size in r.tree_sizes}) > 2
 
 
-def test_best_width_weighs_the_tokens_the_batch_verifies():
+def test_best_width_weighs_the_batchs_total_tokens():
     cost = VerifyCost([1, 2, 4, 8, 16, 32, 64], [20, 24, 25, 30, 37, 60, 110])
     probs = [0.7, 0.4, 0.2, 0.1]
     assert best_width([probs], cost) == best_count(probs, cost) + 1  # one row: the batch-1 rule
     widths = [best_width([probs] * rows, cost) for rows in (1, 2, 4, 8, 16)]
     assert widths == sorted(widths, reverse=True) and widths[0] > widths[-1]  # more rows: fewer tokens each
     assert best_width([[], []], cost) == 1
-    # one row with candidates among fifteen without: it verifies them, for 2 tokens more, not
-    # 16 more (the others' padding is not computed); priced padded it would not (32 tokens)
-    assert best_width([[0.9, 0.8]] + [[]] * 15, cost) == 3
     assert best_width([probs], VerifyCost.flat()) == 5  # free tokens: everything
     assert best_width([probs], VerifyCost.flat(), limit=3) == 3
 

@@ -38,12 +38,12 @@ def test_every_row_drafts_where_verify_is_flat_and_drafting_free():
 
 def test_only_the_rows_the_head_helps_draft():
     """A moderate draft cost: rows whose head profile is good draft; rows whose head is
-    poor do not; rows that cannot draft never do. A row with many free candidates (lookup)
-    drafts too: its tree verifies past the others' width, and only its own tokens are paid."""
+    poor, or whose free candidates (lookup) already fill what a verify can afford, do not;
+    rows that cannot draft never do."""
     costs = Costs(CPU_LIKE, DraftCost([1, 2, 4, 8, 16], [6.0, 6.5, 7.0, 8.0, 10.0]))
     free = [[], [], [0.95, 0.9, 0.85, 0.8, 0.75, 0.7], [], []]
     head = [GOOD_HEAD, [[0.02, 0.01, 0.0]], GOOD_HEAD, None, GOOD_HEAD]
-    assert choose_drafting(free, head, costs) == [True, False, True, False, True]
+    assert choose_drafting(free, head, costs) == [True, False, False, False, True]
 
 
 def test_a_batch_that_makes_the_verify_dear_stops_drafting():
@@ -165,14 +165,14 @@ def test_whole_iterations_rescale_plain_and_speculative_costs_apart_per_row_coun
     each per row count (a row count not measured takes the nearest one's)."""
     costs = MeasuredCosts(Costs(CPU_LIKE, DraftCost([1, 16], [4.0, 8.0])), memory=0.5)
     assert costs.plain(16) == costs.verify_at(16)(16) == 37.0  # nothing measured: the tuned curve
-    costs.observe_iteration(16, 16, 0, seconds=74.0, draft_seconds=0.0)  # plain: 2x its tuned 37
-    costs.observe_iteration(16, 32, 16, seconds=68.0 + 8.0, draft_seconds=8.0)  # 32 tokens: 68 = 60 + 8 beside
+    costs.observe_iteration(16, 1, 0, seconds=74.0, draft_seconds=0.0)  # plain: 2x its tuned 37
+    costs.observe_iteration(16, 2, 16, seconds=68.0 + 8.0, draft_seconds=8.0)  # 32 tokens: 68 = 60 + 8 beside
     assert costs.plain(16) == pytest.approx(74.0) and costs.verify_at(16)(32) == pytest.approx(68.0)
     assert costs.plain(15) == pytest.approx(2.0 * costs.tuned.verify(15))  # the nearest row count's level
     assert costs.draft(16) == pytest.approx(8.0)
-    costs.observe_iteration(4, 4, 0, seconds=25.0, draft_seconds=0.0)  # 4 rows: their own level
+    costs.observe_iteration(4, 1, 0, seconds=25.0, draft_seconds=0.0)  # 4 rows: their own level
     assert costs.plain(4) == pytest.approx(25.0) and costs.plain(16) == pytest.approx(74.0)
-    costs.observe_iteration(16, 16, 0, seconds=37.0, draft_seconds=0.0)  # a later plain one moves it by ``memory``
+    costs.observe_iteration(16, 1, 0, seconds=37.0, draft_seconds=0.0)  # a later plain one moves it by ``memory``
     assert costs.plain(16) == pytest.approx(0.5 * 74.0 + 0.5 * 37.0)
 
 
@@ -184,8 +184,8 @@ def test_speculation_stops_where_its_whole_iterations_cost_more_than_they_return
     good = [[[0.8]]] * 16
     assert choose_drafting([[]] * 16, good, tuned) == [True] * 16
     costs = MeasuredCosts(tuned, memory=1.0)
-    costs.observe_iteration(16, 16, 0, seconds=37.0, draft_seconds=0.0)
-    costs.observe_iteration(16, 32, 16, seconds=2.2 * 45.0 + 8.0, draft_seconds=8.0)
+    costs.observe_iteration(16, 1, 0, seconds=37.0, draft_seconds=0.0)
+    costs.observe_iteration(16, 2, 16, seconds=2.2 * 45.0 + 8.0, draft_seconds=8.0)
     assert choose_drafting([[]] * 16, good, costs) == [False] * 16
     trees = []
     for _ in range(16):

@@ -9,14 +9,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from lyanna_train.runtime.scheduling.scheduler import generate, generate_batch
-from lyanna_train.runtime.cpu import small_linear
+from lyanna_train.runtime.scheduling.scheduler import generate
 from lyanna_train.runtime.cpu.tuning import tune
 from lyanna_train.runtime.settings import DecodeSettings, LookupSettings, TreeShape
-from lyanna_train.runtime.cpu.small_linear import (FORMS, MAX_ROWS, PACKED, SmallBatchLinear, only_rows,
-                                                   settle_packing, small_batch_forms, use_small_batch_linears)
+from lyanna_train.runtime.cpu.small_linear import (FORMS, MAX_ROWS, PACKED, SmallBatchLinear, settle_packing,
+                                                   small_batch_forms, use_small_batch_linears)
 
-from .conftest import FIT_PROMPTS, LAYER_IDS, drafted_tokens, greedy_reference
+from .conftest import LAYER_IDS, drafted_tokens, greedy_reference
 
 
 @pytest.mark.parametrize("form", list(FORMS))
@@ -32,28 +31,6 @@ def test_every_form_and_padding_computes_the_linear_product(form, bias, rows, pa
         got = layer(x)
     assert type(layer[0]) is SmallBatchLinear and got.shape == (1, rows, 53)
     torch.testing.assert_close(got, F.linear(x, layer[0].weight, layer[0].bias), rtol=1e-5, atol=1e-5)
-
-
-@pytest.mark.parametrize("form", list(FORMS))
-def test_ragged_rows_compute_the_listed_positions_and_leave_zeros_at_the_padding(form):
-    torch.manual_seed(0)
-    layer = torch.nn.Sequential(torch.nn.Linear(37, 53))
-    forms = use_small_batch_linears(layer)
-    forms[1:] = [(form, rows) for rows in range(1, MAX_ROWS + 1)]
-    x = torch.randn(3, 4, 37)
-    keep = torch.tensor([0, 1, 2, 4, 8, 9])  # row 0: 3 tokens, row 1: 1, row 2: 2
-    full = F.linear(x, layer[0].weight, layer[0].bias)
-    with torch.inference_mode(), only_rows((3, 4), keep):
-        got = layer(x)
-        flat = layer(x.reshape(12, 37))  # not the [R, W] input it was told of: computed whole
-        other = layer(x[:, :3])
-    assert got.shape == (3, 4, 53)
-    torch.testing.assert_close(got.reshape(12, 53)[keep], full.reshape(12, 53)[keep], rtol=1e-5, atol=1e-5)
-    padding = torch.ones(12, dtype=torch.bool)
-    padding[keep] = False
-    assert torch.equal(got.reshape(12, 53)[padding], torch.zeros(6, 53))
-    torch.testing.assert_close(flat, full.reshape(12, 53), rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(other, full[:, :3], rtol=1e-5, atol=1e-5)
 
 
 def test_training_and_large_batches_take_plain_linear(monkeypatch):
@@ -98,27 +75,6 @@ def test_decoding_through_measured_linears_is_lossless(tiny_target, tiny_fitted,
     settings = DecodeSettings(TreeShape(3, 2, 2, 6), LookupSettings(4, pool_tokens=0), verify="all")
     out = generate(target, draft, [1, 17, 200, 5, 99], 24, settings, eos_ids=(), layer_ids=LAYER_IDS)
     assert out.tokens == expected and drafted_tokens(out) >= 6  # draft nodes verified through the forms, kept
-
-
-@pytest.mark.slow
-def test_a_batch_of_uneven_trees_verifies_losslessly_with_the_padding_skipped(tiny_target, tiny_fitted, monkeypatch):
-    """Rows whose trees are shorter than the fused verify's width: the linears compute their
-    real positions only (:func:`only_rows`), and every row still decodes as it would alone."""
-    target, draft = copy.deepcopy(tiny_target), copy.deepcopy(tiny_fitted[True])
-    use_small_batch_linears(target)
-    expected = [greedy_reference(target, p, 20) for p in FIT_PROMPTS]
-    skipped = []
-    entered = small_linear.only_rows
-
-    def spy(shape, keep):
-        skipped.append(shape[0] * shape[1] - len(keep))
-        return entered(shape, keep)
-
-    monkeypatch.setattr("lyanna_train.runtime.verification.step.only_rows", spy)
-    settings = DecodeSettings(TreeShape(3, 2, 2, 6), LookupSettings(4, pool_tokens=0), verify="all")
-    outs = generate_batch(target, draft, FIT_PROMPTS, 20, settings, max_batch=4, eos_ids=(), layer_ids=LAYER_IDS)
-    assert [out.tokens for out in outs] == expected
-    assert skipped and sum(skipped) > 0  # padded positions were left out of the linears
 
 
 @pytest.mark.skipif("onednn_packed" not in FORMS, reason="torch built without oneDNN")

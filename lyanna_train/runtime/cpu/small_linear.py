@@ -31,19 +31,11 @@ same end; ``bench/compiled_linears.py`` measures both on the target's verify for
 Applied to the target by the CLIs and the benchmark *for every method*, the plain
 ``target.generate`` baseline included, so speedups compare like with like. CUDA models are
 left alone (cuBLAS has no such cliff).
-
-**Ragged rows.** A fused verify pads every row's tree to one width; inside
-:func:`only_rows` the linear layers multiply only the listed (real) positions of an
-``[R, W, in]`` input and leave zeros at the padding, so a row verifying one token costs one
-token's worth of every weight, not W (the linears are most of the forward's arithmetic;
-attention still runs padded, masked as before). Inputs of any other shape (a routed
-expert's tokens) are computed whole.
 """
 
 from __future__ import annotations
 
 from contextlib import contextmanager
-from contextvars import ContextVar
 from typing import Callable, Iterator
 
 import torch
@@ -92,21 +84,6 @@ if torch.backends.mkldnn.is_available():  # torch built without oneDNN: the two 
     FORMS["onednn_packed"] = _onednn_packed
 
 
-_ROWS: ContextVar[tuple[tuple[int, int], torch.Tensor] | None] = ContextVar("lyanna_ragged_rows", default=None)
-
-
-@contextmanager
-def only_rows(shape: tuple[int, int], keep: torch.Tensor) -> Iterator[None]:
-    """Inside the block, :class:`SmallBatchLinear` layers given an input of ``shape`` ([R, W]
-    leading dims) compute only the flat positions ``keep`` (sorted, into R·W) and put zeros
-    at the others."""
-    token = _ROWS.set((tuple(shape), keep))
-    try:
-        yield
-    finally:
-        _ROWS.reset(token)
-
-
 class SmallBatchLinear(torch.nn.Linear):
     """``nn.Linear`` whose forward, for a few rows, uses ``forms[rows] = (form, padded)``:
     the rows are padded (with copies of the first) to ``padded`` and multiplied in that form,
@@ -122,16 +99,6 @@ class SmallBatchLinear(torch.nn.Linear):
         return state
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        ragged = _ROWS.get()
-        if ragged is not None and x.dim() == 3 and tuple(x.shape[:2]) == ragged[0] and not torch.is_grad_enabled():
-            keep = ragged[1]
-            flat = x.reshape(-1, x.shape[-1])
-            out = flat.new_zeros(flat.shape[0], self.out_features)
-            out[keep] = self._rows(flat.index_select(0, keep))
-            return out.reshape(*x.shape[:-1], self.out_features)
-        return self._rows(x)
-
-    def _rows(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
         form, padded = self.forms[rows] if rows <= MAX_ROWS else ("linear", rows)
         if (form == "linear" and padded == rows) or torch.is_grad_enabled():

@@ -62,17 +62,16 @@ def best_width(rows: Sequence[Sequence[float]], cost: Callable[[int], float], li
     """Each row's candidate probabilities (in the order they would be verified) -> W, the
     tokens per row of ONE fused verify forward over all rows (the root included).
 
-    Every row verifies its W - 1 best candidates (all it has, when fewer), and W maximises
+    The forward computes rows × W tokens whatever each row fills (rows are padded to W),
+    so every row verifies its W - 1 best candidates and W maximises
 
-        Σ_rows (1 + Σ_{i < W} p_row,i) / cost(Σ_rows min(W, 1 + candidates_row))
+        Σ_rows (1 + Σ_{i < W} p_row,i) / cost(rows · W)
 
-    — the forward costs the tokens it verifies: rows shorter than W are padded, but the
-    linear layers skip the padding (:func:`..cpu.small_linear.only_rows`), and attention over
-    it is a small part of a forward. With one row this is :func:`best_count` + 1. ``limit``
-    caps W; a width past 1 must beat plain decoding by ``margin`` (the measured costs'
-    error). ``plain``: the seconds of W = 1 where a plain iteration is priced apart
-    (:meth:`MeasuredCosts.plain`); default ``cost(rows)``. ``weights``: what a token of each
-    row is worth (None: 1 each)."""
+    — the batch's total token count is what the forward costs. With one row this is
+    :func:`best_count` + 1. ``limit`` caps W; a width past 1 must beat plain decoding by
+    ``margin`` (the measured costs' error). ``plain``: the seconds of W = 1 where a plain
+    iteration is priced apart (:meth:`MeasuredCosts.plain`); default ``cost(rows)``.
+    ``weights``: what a token of each row is worth (None: 1 each)."""
     worth = list(weights) if weights is not None else [1.0] * len(rows)
     most = max((len(p) for p in rows), default=0) + 1
     most = min(most, limit) if limit else most
@@ -83,7 +82,7 @@ def best_width(rows: Sequence[Sequence[float]], cost: Callable[[int], float], li
     best, best_rate = 1, sum(worth) / (cost(len(rows)) if plain is None else plain) * (1 + margin)
     for width in range(2, most + 1):
         expected = sum(w * (1 + sums[min(width - 1, len(sums) - 1)]) for w, sums in zip(worth, prefix))
-        rate = expected / cost(sum(min(width, len(sums)) for sums in prefix))
+        rate = expected / cost(len(rows) * width)
         if rate > best_rate:
             best, best_rate = width, rate
     return best
@@ -184,15 +183,14 @@ class MeasuredCosts:
         """Whether the next iteration should be plain, to measure what plain decoding costs now."""
         return self.since_plain >= PROBE_EVERY
 
-    def observe_iteration(self, rows: int, tokens: int, drafted: int, seconds: float, draft_seconds: float) -> None:
-        """One whole iteration: ``rows`` rows verified ``tokens`` tokens in all (their trees,
-        the padding left out), ``drafted`` of them drafted, in ``seconds`` of which
-        ``draft_seconds`` were the head's."""
+    def observe_iteration(self, rows: int, width: int, drafted: int, seconds: float, draft_seconds: float) -> None:
+        """One whole iteration: ``rows`` rows verified ``width`` tokens each, ``drafted`` of
+        them drafted, in ``seconds`` of which ``draft_seconds`` were the head's."""
         rest = max(seconds - draft_seconds, 0.0)
-        plain = tokens <= rows and not drafted
+        plain = width == 1 and not drafted
         self.since_plain = 0 if plain else self.since_plain + 1
         scales = self.plain_scales if plain else self.verify_scales
-        tuned = self.tuned.verify(tokens)
+        tuned = self.tuned.verify(rows * width)
         if rows in scales:
             scales[rows] = self._blend(scales[rows], rest, tuned)
         elif tuned > 0:  # a row count's first measurement is its level

@@ -8,9 +8,8 @@ tokens per second of (draft + fused verify) time:
    cost ``Costs.draft(rows drafting)`` buys each drafting row a tree like its last ones
    (:attr:`.estimates.AcceptanceEstimates.head_samples`). Rows are ranked by what their
    head adds on average; for every count s, the s best draft, and the rate is averaged
-   over the kept trees of the best verify width W for each (at most W tokens per row,
-   the root included; a row with fewer candidates costs only those, as the linear layers
-   skip the padding) — drafting keeps the option of verifying little when the
+   over the kept trees of the best verify width W for each (tokens per row of the fused
+   forward, rows padded to W) — drafting keeps the option of verifying little when the
    tree it gets is poor. The best s wins. A row that does not draft decodes with its free
    candidates or plainly (W = 1), and the head's forward never runs for it.
 2. :func:`fit_trees`, after drafting: the width W of the fused verify and each row's W - 1
@@ -94,14 +93,16 @@ def choose_drafting(free: Sequence[Sequence[float]], head: Sequence[Sequence[Seq
         gain, alone = gain * worth[None, :, None], alone * worth[:, None]
     means = gain.mean(dim=(0, 2)).tolist()
     order = sorted(drafting, key=lambda r: -means[r])
-    verify = _verify_seconds(free, head, order, most, costs.verify_at(rows))  # [s + 1, W]
+    widths = torch.arange(1, most + 1)
+    curve = costs.verify_at(rows)
+    verify = torch.tensor([curve(rows * int(w)) for w in widths], dtype=torch.float64)
     plain = costs.plain(rows)  # nobody drafts, one token per row: a plain iteration, priced apart
     base = (rows if weights is None else sum(weights)) + alone.sum(0)  # [W]: every row's own token and free candidates
     added = torch.cumsum(gain[:, order], dim=1)  # [K, s, W]: the s best rows' head, for s = 1..
     totals = torch.cat([torch.zeros(samples, 1, most, dtype=torch.float64), added], dim=1) + base  # [K, s + 1, W]
     catch_up = [0.0] + list(accumulate((behind[r] if behind else 0) * costs.anchor / CATCH_UP_HORIZON for r in order))
     draft = torch.tensor([costs.draft(s) + catch_up[s] for s in range(len(order) + 1)], dtype=torch.float64)
-    seconds = draft[:, None] + verify  # [s + 1, W]
+    seconds = draft[:, None] + verify[None, :]  # [s + 1, W]
     seconds[0, 0] = plain
     rates = totals / seconds[None]  # [K, s + 1, W]
     rates[:, :, 1:] /= 1 + margin  # speculation has to beat plain decoding (s = 0, W = 1) by the margin
@@ -110,22 +111,6 @@ def choose_drafting(free: Sequence[Sequence[float]], head: Sequence[Sequence[Seq
     best = int(torch.argmax(rates))  # the first of equal rates: fewer drafting rows
     chosen = set(order[:best])
     return [r in chosen for r in range(rows)]
-
-
-def _verify_seconds(free, head, order: list[int], most: int, curve) -> torch.Tensor:
-    """Seconds of the fused verify [s + 1, W] when the first s rows of ``order`` draft: each row
-    verifies min(W, 1 + its candidates) tokens (the padding is not computed,
-    :func:`..cpu.small_linear.only_rows`), a drafting row's candidates counted with the mean
-    size of its kept trees."""
-    widths = range(1, most + 1)
-    alone = [len(f) for f in free]
-    tokens = [sum(min(w, 1 + n) for n in alone) for w in widths]
-    table = [[curve(t) for t in tokens]]
-    for r in order:
-        drafted = alone[r] + sum(map(len, head[r])) / len(head[r])
-        tokens = [t + min(w, 1 + drafted) - min(w, 1 + alone[r]) for t, w in zip(tokens, widths)]
-        table.append([curve(t) for t in tokens])
-    return torch.tensor(table, dtype=torch.float64)
 
 
 def fit_trees(trees: list[TokenTree], room: Sequence[int | None], costs: Costs | None,

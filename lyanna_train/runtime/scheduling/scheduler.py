@@ -221,7 +221,7 @@ class BatchDecoder:
             # cycle's iteration spans steps: its verify and drafting only
             seconds = time.perf_counter() - self._began - self.batch.catch_up_seconds if self._began is not None \
                 else verified + self.batch.draft_seconds
-            self.batch.costs.observe_iteration(len(trees), sum(len(t) for t in trees), drafted, seconds,
+            self.batch.costs.observe_iteration(len(trees), max(len(t) for t in trees), drafted, seconds,
                                                self.batch.draft_seconds)
         self.batch.draft_seconds = self.batch.catch_up_seconds = 0.0
         self._began = None

@@ -1,8 +1,7 @@
 """Verify and accept, for a run of rows: ONE fused target forward, then each row its own path.
 
 * :func:`verify_rows` — every row's tree in one target forward (rows padded to the same
-  width, a ragged 4D mask, per-row position ids; on the CPU the linear layers skip the
-  padding, :func:`..cpu.small_linear.only_rows`);
+  width, a ragged 4D mask, per-row position ids);
 * :func:`accept_rows` — each row its own path (greedy, or rejection sampling with its own
   parameters and generator, :mod:`.sampling`), then both caches rolled to it and the
   draft's step 0 over the accepted tokens, in one forward, for the rows that drafted (the
@@ -19,7 +18,6 @@ import time
 
 import torch
 
-from ..cpu.small_linear import only_rows
 from ..drafting.state import extend_rows
 from .masks import ragged_mask
 from .sampling import accept_tree_sampling, warp_probs
@@ -41,12 +39,7 @@ def verify_rows(batch, rows: slice, trees: list[TokenTree]) -> tuple[torch.Tenso
         parents[i, :len(tree)] = torch.tensor(tree.parents)
     offsets = batch.cache.begin(rows, width)
     mask = ragged_mask(offsets, parents, batch.cache.plan.kv_length)
-    sizes = [len(tree) for tree in trees]
-    ragged = contextlib.nullcontext()
-    if sum(sizes) < len(trees) * width:  # the linears skip the padding (CPU models)
-        keep = torch.tensor([i * width + j for i, n in enumerate(sizes) for j in range(n)], device=device)
-        ragged = only_rows((len(trees), width), keep)
-    with batch.recorder.watching() if batch.recorder is not None else contextlib.nullcontext(), ragged:
+    with batch.recorder.watching() if batch.recorder is not None else contextlib.nullcontext():
         return ragged_forward(batch.target, batch.capture, batch.cache, tokens.to(device), offsets[:, None] +
                               depths.to(device), mask)
 
