@@ -13,6 +13,15 @@ def _page():
     return runpy.run_path(str(ROOT / "bench" / "results_page.py"), run_name="results_page")
 
 
+def _rendered(tmp_path, folder: str, name: str, data: dict) -> str:
+    """The page rendered from one result file, ``results/folder/name`` holding ``data``."""
+    page = _page()
+    (tmp_path / "results" / folder).mkdir(parents=True)
+    (tmp_path / "results" / folder / name).write_text(json.dumps(data))
+    page["render"].__globals__["RESULTS"] = tmp_path / "results"
+    return page["render"]()
+
+
 def test_results_page_matches_its_sources():
     page = _page()
     assert page["main"](["--check"]) == 0, "bench/results/README.md is stale: run python bench/results_page.py"
@@ -35,9 +44,6 @@ def test_every_figure_comes_from_a_result_file(tmp_path, monkeypatch):
 
 
 def test_the_regeneration_bench_has_its_table(tmp_path):
-    page = _page()
-    folder = tmp_path / "results" / "regen-x"
-    folder.mkdir(parents=True)
     data = {"command": "python bench/regeneration.py", "conversations": 4, "max_new_tokens": 8, "batch_sizes": [1],
             "results": {"generate": {"1": {"tokens": 32, "tokens_per_s": 10.0}},
                         "runtime": {"1": {"tokens": 32, "tokens_per_s": 21.5, "identical_to_generate": "4/4"}}},
@@ -46,41 +52,35 @@ def test_the_regeneration_bench_has_its_table(tmp_path):
             "passes": {"batch_size": 1, "two_pass": {"seconds": 8.1, "regenerate_seconds": 6.0, "features_seconds": 2.1},
                        "one_pass": {"seconds": 5.0, "samples": 4, "recomputed_samples": 1,
                                     "left_for_the_trainer_to_compute": 0}}}
-    (folder / "regeneration.json").write_text(json.dumps(data))
-    render = page["render"]
-    render.__globals__["RESULTS"] = tmp_path / "results"
-    text = render()
+    text = _rendered(tmp_path, "regen-x", "regeneration.json", data)
     assert "## `regen-x`" in text and "| runtime | 1 | 32 | 21.5 | 4/4 |" in text and "generate 2.15x" in text
     assert "one pass 5.0 s: 1.62x" in text and "1/4 samples re-tokenized otherwise" in text
 
 
 def test_the_feature_storage_bench_has_its_table(tmp_path):
-    page = _page()
-    folder = tmp_path / "results" / "fp8-x"
-    folder.mkdir(parents=True)
     run = {"variant": "fp8", "seed": 0, "bytes_per_token": 2333.07, "tau": 1.386, "heldout_top1_step0": 0.3659,
            "heldout_top1_step0_on_bf16": 0.366, "steps": 870, "minutes_to_last_step": 28.8, "minutes": 30.6}
     data = {"command": "python bench/feature_storage.py --variants bf16,fp8", "samples": 587, "summary": [], "runs": [run]}
-    (folder / "summary.json").write_text(json.dumps(data))
-    render = page["render"]
-    render.__globals__["RESULTS"] = tmp_path / "results"
-    text = render()
+    text = _rendered(tmp_path, "fp8-x", "summary.json", data)
     assert "## `fp8-x`" in text and "587 samples per run" in text
     assert "| fp8 | 0 | 2333.1 | 1.386 | 0.366 | 0.366 | 870 | 28.8 | 30.6 |" in text
 
 
 def test_the_regenerated_data_bench_has_its_table(tmp_path):
-    page = _page()
-    folder = tmp_path / "results" / "regen-data-x"
-    folder.mkdir(parents=True)
     head = {"samples": 218, "loss_tokens": 70123, "eval/mean_tau_verify": 1.31, "heldout_top1_on_sharegpt": 0.301,
             "heldout_top1_on_regenerated": 0.452, "regeneration_minutes": 21.8, "minutes_to_last_step": 8.2}
     data = {"command": "python bench/regenerated_data.py --samples 300", "budget_min": 30.0,
             "regeneration": {"conversations": 300, "seconds": 1800.0}, "seconds_per_regenerated_conversation": 6.0,
             "training_seconds_per_sample": 2.25, "heads": {"regenerated_budget": head}}
-    (folder / "summary.json").write_text(json.dumps(data))
-    render = page["render"]
-    render.__globals__["RESULTS"] = tmp_path / "results"
-    text = render()
+    text = _rendered(tmp_path, "regen-data-x", "summary.json", data)
     assert "## `regen-data-x`" in text and "regenerated 300 conversations in 30.0 min (6.00 s each" in text
     assert "| regenerated_budget | 218 | 70123 | 1.310 | 0.301 | 0.452 | 21.8 | 8.200 |" in text
+
+
+def test_the_gpu_check_has_its_table(tmp_path):
+    data = {"device": "NVIDIA H200", "torch": "2.11.0", "date": "2026-12-04", "command": "python bench/gpu_check.py",
+            "rows": [{"step": "kernels vs references (compiled)", "ok": True, "seconds": 43.2, "figure": "2 passed"},
+                     {"step": "export", "ok": False, "seconds": 13.0, "figure": ""}]}
+    text = _rendered(tmp_path, "gpu-x", "gpu_check.json", data)
+    assert "## `gpu-x`" in text and "NVIDIA H200, torch 2.11.0, 2026-12-04" in text
+    assert "| kernels vs references (compiled) | ok | 43 | 2 passed |" in text and "| export | FAILED | 13 |  |" in text
