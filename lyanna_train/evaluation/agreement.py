@@ -16,6 +16,12 @@ import torch
 
 
 @torch.no_grad()
+def on_device(batch: dict, device: torch.device) -> dict:
+    """A feature batch's tensors on ``device``: batches are built on the host (cache shards,
+    the online extractor), the draft may be on a GPU (copied asynchronously there)."""
+    return {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+
+
 def top1_agreement(draft, batches: Iterable[dict], steps: int, lm_weight: torch.Tensor | None = None) -> dict:
     """batches: aux [B, T, k·H], input_ids / loss_mask / valid [B, T], and teacher_top1 [B, T]
     (or last [B, T, H] with ``lm_weight``) -> {"positions", "top1_step{j}", "in_hot"}.
@@ -30,7 +36,7 @@ def top1_agreement(draft, batches: Iterable[dict], steps: int, lm_weight: torch.
     try:
         device = next(draft.parameters()).device
         for batch in batches:
-            batch = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+            batch = on_device(batch, device)
             ids, loss_mask, valid = batch["input_ids"], batch["loss_mask"], batch["valid"]
             top1 = batch.get("teacher_top1")
             if top1 is None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from ..data.features import teacher_summary
+from ..evaluation.agreement import on_device
 from ..losses.kd import hidden_regression, hot_mask, kl_to_teacher, teacher_from_summary, tv_to_teacher
 
 
@@ -44,11 +45,6 @@ def noisy_features(aux: torch.Tensor, valid: torch.Tensor, scale: float) -> torc
     body = aux[:, 1:][valid[:, 1:]]
     rms = body.pow(2).mean(0).sqrt() if len(body) else aux.new_ones(aux.shape[-1])
     return aux + scale * rms * torch.randn_like(aux)
-
-
-def on_device(batch: dict, device: torch.device) -> dict:
-    """A batch's tensors on ``device`` (copied asynchronously from the host when it is a GPU)."""
-    return {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
 
 
 def distill_loss(draft, batch: dict, lm_weight: torch.Tensor, loss_cfg) -> tuple[torch.Tensor, dict]:
