@@ -99,9 +99,10 @@ class DecodeSettings:
     # what pays; "all": every row drafts and verifies every candidate
     verify: str = "auto"
     # "auto" / "fit": speculate only where the measured costs expect at least this gain over
-    # plain decoding (they are off by a few per cent at large batches: on 2 CPU cores at
-    # batch 16 a predicted +5 % was a measured -3 %)
-    margin: float = 0.05
+    # plain decoding. 0 by default: where the costs mislead, what speculative iterations
+    # delivered against plain ones holds speculation back (:class:`.pricing.cost.MeasuredCosts`);
+    # a 5 % margin cost 6-13 % of the tokens/s at batch 2 on 2 CPU cores
+    margin: float = 0.0
     fusion: FusionSettings = FusionSettings()  # last: positional callers keep their meaning
 
     def __post_init__(self):

@@ -220,6 +220,49 @@ def test_a_plain_iteration_is_measured_when_the_policy_stopped_choosing_one(tiny
     assert all(size > 1 for size in request.tree_sizes[:11])
 
 
+def test_speculation_that_delivered_less_than_plain_decoding_is_held_with_retries():
+    """The model may be wrong; what iterations delivered decides. At a row count where the
+    last speculative iterations delivered fewer tokens/s than plain ones (a catch-up
+    charged over its horizon), iterations are plain but one in RETRY_EVERY; where they
+    delivered more, the policy chooses freely; a row count with too few measured takes
+    the nearest one's."""
+    costs = MeasuredCosts(Costs(CPU_LIKE, DraftCost([1, 16], [3.0, 8.0])))
+    for _ in range(2):
+        costs.observe_iteration(16, 1, 0, seconds=0.050, draft_seconds=0.0, tokens=16)  # 320 tokens/s
+    for _ in range(3):
+        costs.observe_iteration(16, 2, 16, seconds=0.070, draft_seconds=0.010, tokens=20)  # 286 tokens/s
+    assert not costs.speculation_lost(16) and not costs.plain_due(16)  # three are too few to judge
+    costs.observe_iteration(16, 2, 16, seconds=0.070, draft_seconds=0.010, tokens=20)
+    assert costs.speculation_lost(16) and costs.speculation_lost(12)  # 12 rows: 16's verdict, the nearest
+    due = [costs.plain_due(16) for _ in range(2 * cost_module.RETRY_EVERY)]
+    assert due == ([True] * (cost_module.RETRY_EVERY - 1) + [False]) * 2
+    for _ in range(cost_module.RATE_WINDOW):  # speculation now delivers 400 tokens/s: the last window's verdict
+        costs.observe_iteration(16, 2, 16, seconds=0.050, draft_seconds=0.010, tokens=20)
+    assert not costs.speculation_lost(16) and not costs.plain_due(16)
+    for _ in range(cost_module.RATE_WINDOW):  # as fast, but after a catch-up of 0.24 s each: 0.03 s more each
+        costs.observe_iteration(16, 2, 16, seconds=0.050, draft_seconds=0.010, tokens=20, catch_up=0.24)
+    assert costs.speculation_lost(16)
+
+
+def test_a_row_held_plain_by_what_speculation_delivered_is_lossless_and_retried(tiny_target, tiny_fitted):
+    """A decoder whose speculative iterations delivered less than its plain ones decodes
+    plainly (the root alone) until a retry, which the policy speculates in; greedy output
+    is the target's own."""
+    cheap = Costs(VerifyCost([1, 64], [10.0, 10.0]), DraftCost([1, 16], [0.001, 0.001]))
+    settings = DecodeSettings(TreeShape(3, 2, 2, 6), LookupSettings(4, pool_tokens=4), verify="auto")
+    decoder = BatchDecoder(tiny_target, tiny_fitted[True], settings, 1, cost=cheap, eos_ids=(), layer_ids=LAYER_IDS)
+    costs = decoder.batch.costs
+    for _ in range(cost_module.RATE_WINDOW):  # measured once: speculation slower than plain decoding at 1 row
+        costs.observe_iteration(1, 1, 0, seconds=0.01, draft_seconds=0.0, tokens=1)
+        costs.observe_iteration(1, 3, 1, seconds=1.0, draft_seconds=0.5, tokens=2)
+    request = decoder.submit(PROMPTS[2], 40)
+    for _ in decoder.run():
+        pass
+    assert request.tokens == greedy_reference(tiny_target, PROMPTS[2], 40)
+    held = cost_module.RETRY_EVERY - 1
+    assert request.tree_sizes[:held] == [1] * held and request.tree_sizes[held] > 1
+
+
 def test_a_draining_batch_speculates_for_the_rows_behind():
     """Nothing waits: a token of a row with 2 tokens left is worth an eighth of one with 16
     left. Where every row drafts at equal worth, the rows ahead stop drafting and the row

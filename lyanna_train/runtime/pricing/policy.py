@@ -40,7 +40,7 @@ from typing import Sequence
 import torch
 
 from ..verification.tree import TokenTree
-from .cost import Costs, best_width
+from .cost import CATCH_UP_HORIZON, Costs, best_width
 
 
 def _prefix(probs: Sequence[float], most: int) -> list[float]:
@@ -56,7 +56,6 @@ def drain_weights(left: Sequence[int]) -> list[float]:
     return [max(n, 1) / most if most > 0 else 1.0 for n in left]
 
 
-CATCH_UP_HORIZON = 8  # iterations a row's catch-up (its waiting anchors' step 0) is paid back over
 
 
 def choose_drafting(free: Sequence[Sequence[float]], head: Sequence[Sequence[Sequence[float]] | None], costs: Costs,

@@ -164,7 +164,7 @@ class BatchDecoder:
                 rows = slice(0, len(self.rows))
                 self._began = time.perf_counter()
                 probe = self.batch.settings.verify == "auto" and isinstance(self.batch.costs, MeasuredCosts) \
-                    and self.batch.costs.plain_due()  # "fit" and "all" draft for every row, always
+                    and self.batch.costs.plain_due(len(self.rows))  # "fit" and "all" draft for every row, always
                 self._verify(rows, plain_rows(self.batch, rows) if probe else propose_rows(self.batch, rows), updates)
             elif self.rows:
                 self._hold_step(updates)
@@ -210,19 +210,21 @@ class BatchDecoder:
         logits, aux = verify_rows(self.batch, rows, trees)
         verified = time.perf_counter() - begin
         news = accept_rows(self.batch, rows, trees, logits, aux)
+        delivered = 0
         for row, tree, new in zip(active, trees, news):
             row.request.target_forwards += 1
             row.request.accept_lengths.append(len(new))
             row.request.tree_sizes.append(len(tree))
             if not row.request.done:  # cancelled mid hold-cycle: verified with the others, nothing delivered
                 updates.append(self._deliver(row, new))
+                delivered += len(updates[-1].tokens)
         if isinstance(self.batch.costs, MeasuredCosts):  # what this iteration took, for the next ones' choices
             # whole, from proposal to delivery, but a catch-up (a one-off, priced apart); a hold
             # cycle's iteration spans steps: its verify and drafting only
             seconds = time.perf_counter() - self._began - self.batch.catch_up_seconds if self._began is not None \
                 else verified + self.batch.draft_seconds
             self.batch.costs.observe_iteration(len(trees), max(len(t) for t in trees), drafted, seconds,
-                                               self.batch.draft_seconds)
+                                               self.batch.draft_seconds, delivered, self.batch.catch_up_seconds)
         self.batch.draft_seconds = self.batch.catch_up_seconds = 0.0
         self._began = None
 
