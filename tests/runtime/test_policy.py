@@ -244,6 +244,23 @@ def test_speculation_that_delivered_less_than_plain_decoding_is_held_with_retrie
     assert costs.speculation_lost(16)
 
 
+def test_a_policy_that_keeps_choosing_plain_decoding_is_consulted_less_until_it_speculates():
+    """Consulting the policy costs an iteration's proposals: after QUIET_AFTER plain
+    iterations it chose itself, it is consulted one iteration in CONSULT_EVERY; the first
+    speculative iteration ends that. Plain iterations forced on it do not count."""
+    costs = MeasuredCosts(Costs(CPU_LIKE, DraftCost([1, 16], [3.0, 8.0])))
+    for _ in range(cost_module.QUIET_AFTER):
+        assert not costs.plain_due(16)
+        costs.observe_iteration(16, 1, 0, seconds=0.05, draft_seconds=0.0, tokens=16)  # the policy chose plain
+    due = []
+    for _ in range(2 * cost_module.CONSULT_EVERY):
+        due.append(costs.plain_due(16))
+        costs.observe_iteration(16, 1, 0, seconds=0.05, draft_seconds=0.0, tokens=16)
+    assert due == ([True] * (cost_module.CONSULT_EVERY - 1) + [False]) * 2
+    costs.observe_iteration(16, 2, 4, seconds=0.06, draft_seconds=0.01, tokens=24)  # the last consultation speculated
+    assert [costs.plain_due(16) for _ in range(3)] == [False] * 3
+
+
 def test_a_row_held_plain_by_what_speculation_delivered_is_lossless_and_retried(tiny_target, tiny_fitted):
     """A decoder whose speculative iterations delivered less than its plain ones decodes
     plainly (the root alone) until a retry, which the policy speculates in; greedy output

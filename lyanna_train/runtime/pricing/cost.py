@@ -134,6 +134,8 @@ PROBE_EVERY = 32  # iterations after which a plain one is due if none was measur
 CATCH_UP_HORIZON = 8  # iterations a row's catch-up (its waiting anchors' step 0) is paid back over
 RATE_WINDOW = 8  # the last iterations of each kind, per row count, whose delivered tokens/s are compared
 RETRY_EVERY = 8  # iterations at a row count where speculation delivered less than plain decoding, per retry
+QUIET_AFTER = 8  # plain iterations the policy chose in a row, after which it is consulted only ...
+CONSULT_EVERY = 4  # ... one iteration in this many, until it speculates again
 
 
 class MeasuredCosts:
@@ -160,7 +162,12 @@ class MeasuredCosts:
     less than plain decoding, iterations are plain, but for one in ``RETRY_EVERY`` that
     the policy chooses freely (:meth:`plain_due`): at 16 rows on 2 CPU cores the model,
     with acceptance predicted within 3 %, still chose iterations that delivered 0.8x plain
-    decoding's tokens/s."""
+    decoding's tokens/s.
+
+    Consulting the policy costs too: every row's free candidates and its choice took
+    ~3.6 ms of a ~60 ms iteration at 16 rows. After ``QUIET_AFTER`` iterations in a row
+    in which it chose plain decoding, it is consulted one iteration in ``CONSULT_EVERY``
+    (the others are plain at once) until it speculates again."""
 
     def __init__(self, tuned: Costs, memory: float = 0.2):
         self.tuned, self.memory = tuned, memory
@@ -171,6 +178,9 @@ class MeasuredCosts:
         self.anchor = tuned.anchor  # a catch-up's seconds per anchor, measured as catch-ups happen
         self.delivered: dict[tuple[bool, int], deque] = {}  # (speculative, rows) -> recent (tokens, seconds)
         self.held: dict[int, int] = {}  # rows -> iterations held plain since speculation lost there
+        self.chose_plain = 0  # iterations in a row in which the policy, consulted, chose plain decoding
+        self.quiet = 0  # iterations since the policy went quiet
+        self._forced = False  # whether the current iteration was made plain without the policy
 
     @staticmethod
     def _scale(scales: dict[int, float], rows: int, default: float = 1.0) -> float:
@@ -194,16 +204,24 @@ class MeasuredCosts:
         return self.tuned.verify.sizes
 
     def plain_due(self, rows: int) -> bool:
-        """Whether the next iteration over ``rows`` rows should be plain: to measure what plain
-        decoding costs now, or because speculation delivered less there (each call while it
-        does counts towards the next retry)."""
+        """Whether the next iteration over ``rows`` rows is plain without consulting the
+        policy: to measure what plain decoding costs now, because speculation delivered less
+        there, or because the policy keeps choosing plain decoding anyway (each call counts
+        towards the next retry or consultation)."""
+        self._forced = self._due(rows)
+        return self._forced
+
+    def _due(self, rows: int) -> bool:
         if self.since_plain >= PROBE_EVERY:
             return True
-        if not self.speculation_lost(rows):
-            self.held.pop(rows, None)
-            return False
-        self.held[rows] = self.held.get(rows, 0) + 1
-        return self.held[rows] % RETRY_EVERY != 0
+        if self.speculation_lost(rows):
+            self.held[rows] = self.held.get(rows, 0) + 1
+            return self.held[rows] % RETRY_EVERY != 0
+        self.held.pop(rows, None)
+        if self.chose_plain >= QUIET_AFTER:
+            self.quiet += 1
+            return self.quiet % CONSULT_EVERY != 0
+        return False
 
     def delivered_rate(self, speculative: bool, rows: int) -> float | None:
         """Tokens/s the last iterations of that kind delivered at ``rows`` rows (the nearest
@@ -228,6 +246,11 @@ class MeasuredCosts:
         rest = max(seconds - draft_seconds, 0.0)
         plain = width == 1 and not drafted
         self.since_plain = 0 if plain else self.since_plain + 1
+        if not plain:
+            self.chose_plain = self.quiet = 0
+        elif not self._forced:
+            self.chose_plain += 1
+        self._forced = False
         if tokens is not None:
             runs = self.delivered.setdefault((not plain, rows), deque(maxlen=RATE_WINDOW))
             runs.append((tokens, seconds + catch_up / CATCH_UP_HORIZON))
