@@ -56,8 +56,6 @@ def drain_weights(left: Sequence[int]) -> list[float]:
     return [max(n, 1) / most if most > 0 else 1.0 for n in left]
 
 
-
-
 def choose_drafting(free: Sequence[Sequence[float]], head: Sequence[Sequence[Sequence[float]] | None], costs: Costs,
                     limit: int | None = None, margin: float = 0.0, behind: Sequence[int] | None = None,
                     weights: Sequence[float] | None = None) -> list[bool]:
