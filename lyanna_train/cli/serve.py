@@ -80,6 +80,8 @@ def main(argv: list[str]) -> int:
     app = build_app(target, tokenizer, draft, settings, name, args.max_batch, cost, args.max_tokens,
                     args.shutdown_timeout, limits)
     mode = "target only (--no-draft)" if args.no_draft else "speculative" if draft is not None else "prompt lookup"
+    seconds = app.state.engine.decoder.warm_up()
+    print(f"lyanna-serve: warmed up in {seconds:.1f} s", file=sys.stderr, flush=True)
     print(f"lyanna-serve: {name!r}, {mode}, up to {args.max_batch} requests at once, on "
           f"http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
     serve(app, args.host, args.port, args.shutdown_timeout, args.log_level, sock)

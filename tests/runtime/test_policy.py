@@ -331,3 +331,23 @@ def test_a_draining_batch_weighs_its_rows_by_tokens_left_and_stays_lossless(tiny
         served.step()
     assert requests[1].tokens == greedy_reference(tiny_target, PROMPTS[1], budgets[1])
     assert seen and all(w is None for w in seen)
+
+
+def test_warm_up_decodes_a_full_batch_then_forgets_what_it_measured(tiny_target, tiny_fitted):
+    """A server warms its decoder before the first request: every slot decodes a synthetic
+    request; afterwards the decoder is idle, its measured costs start afresh (the synthetic
+    requests' rates would mislead the policy), and a real request is still lossless."""
+    cheap = Costs(VerifyCost([1, 64], [10.0, 10.0]), DraftCost([1, 16], [0.001, 0.001]))
+    settings = DecodeSettings(TreeShape(3, 2, 2, 6), LookupSettings(4, pool_tokens=4), verify="auto")
+    decoder = BatchDecoder(tiny_target, tiny_fitted[True], settings, 3, cost=cheap, eos_ids=(), layer_ids=LAYER_IDS)
+    before = decoder.batch.costs
+    assert decoder.warm_up(prompt_tokens=12, new_tokens=6) > 0
+    assert decoder.idle and decoder.batch.costs is not before and not decoder.batch.costs.delivered
+    assert before.delivered  # the warm-up did decode and measure
+    request = decoder.submit(PROMPTS[2], 30)
+    for _ in decoder.run():
+        pass
+    assert request.tokens == greedy_reference(tiny_target, PROMPTS[2], 30)
+    decoder.submit(PROMPTS[0], 4)
+    with pytest.raises(RuntimeError, match="idle decoder"):
+        decoder.warm_up()
