@@ -63,9 +63,11 @@ def test_tuning_is_cached_per_machine_torch_and_target(tiny_target, cache_home, 
     key = tuning_key(target, draft, True)
     path = tuning_path(key)
     assert path.parent == cache_home / "cpu_tuning" and path.is_file() and "timing" in lines[0]
-    stored = json.loads(path.read_text())
+    target_path = tuning_path(tuning_key(target, None, True))  # the target's part, apart from the draft's
+    stored = json.loads(target_path.read_text())
     assert stored["key"]["torch"] == torch.__version__ and stored["key"]["threads"] == torch.get_num_threads()
     assert stored["key"]["target"]["fingerprint"].startswith("sha256:") and stored["seconds"] == cost.verify.seconds
+    assert json.loads(path.read_text())["draft_forms"] is not None
     chosen = (list(small_batch_forms(target)), list(small_batch_forms(draft)))
 
     # a fresh copy of the same models: read back, nothing timed, the same forms and cost
@@ -76,6 +78,11 @@ def test_tuning_is_cached_per_machine_torch_and_target(tiny_target, cache_home, 
     cached = tune(again, again_draft, say=lines.append)
     assert cached.verify.seconds == cost.verify.seconds and "read from" in lines[0]
     assert (small_batch_forms(again), small_batch_forms(again_draft)) == chosen
+    # without the draft (a --no-draft server beside a speculative one): the same target forms, read back
+    alone = copy.deepcopy(tiny_target)
+    lines.clear()
+    assert tune(alone, say=lines.append).verify.seconds == cost.verify.seconds and "read from" in lines[0]
+    assert small_batch_forms(alone) == chosen[0]
 
     # another thread count, another target or a stock-linear run is another key
     assert tuning_path(tuning_key(again, None, True)) != path

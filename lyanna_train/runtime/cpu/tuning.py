@@ -9,9 +9,16 @@ tokens after ``CONTEXT`` cached ones, the draft's step 0 over N anchors, and a w
 drafting iteration (candidate tree plus step 0) for R rows at once in the decoding's tree
 shape. That takes ~15 s on SmolLM2 and 2 cores; the result is written to
 ``$LYANNA_CACHE/cpu_tuning/<key>.json`` and read back by the next process with the same
-key (CPU model, core and thread counts, torch version, target fingerprint and dtype, the
-draft's shape), so CLIs start in seconds after the first run. ``retune=True`` measures
-again (a machine that was busy the first time).
+key (CPU model, core and thread counts, torch version, target fingerprint and dtype), so
+CLIs start in seconds after the first run. ``retune=True`` measures again (a machine that
+was busy the first time).
+
+The target's part (its forms and verify cost) is kept apart from the draft's (its forms,
+drafting and catch-up costs, keyed by the draft too), so every process on one target
+decodes with the same target forms, with a draft or without. When each kept its own, a
+``--no-draft`` server and a speculative one decoded plainly with forms timed apart: at
+16 rows one padded its linears to 20 rows, the other to 16, and the comparison read 0.84x
+where it measured the noise of two tunings.
 
 Nothing here runs inside decoding: :func:`tune` returns the costs, and the caller hands
 them to the decoder (:class:`..scheduling.scheduler.BatchDecoder`). The draft cost is kept
@@ -49,7 +56,7 @@ DRAFT_ROWS = (1, 2, 3, 4, 6, 8, 12, 16)  # rows drafting at once (the draft cost
 ACCEPTED = 2  # anchors each drafting row extends by per timed iteration (a typical accepted run)
 CONTEXT = 256  # cached tokens before the timed forward
 REPEATS = 3  # best of: the run least disturbed by other work
-FORMAT = 2
+FORMAT = 3
 
 
 def choose_forms(forms: list[tuple[str, int]], time_forward: Callable[[int], float], sizes) -> list[float]:
@@ -223,35 +230,56 @@ def tune(target, draft: DraftHead | None = None, *, shape: TreeShape | None = No
     With ``linear_forms`` (and a CPU model) every ``nn.Linear`` gets its fastest GEMM form
     per row count. The target's verify cost is timed per token count; with a ``draft``
     and the decoding's tree ``shape``, a drafting iteration is timed per drafting row
-    count. The result is read from the on-disk cache when one matches (``cache``), else
+    count. Each part is read from the on-disk cache when one matches (``cache``), else
     measured (~15 s) and stored; ``retune`` measures again. ``say`` hears one line about
     which of the two happened."""
     say = say or (lambda _: None)
     cpu = target.device.type == "cpu"
     target_forms = use_small_batch_linears(target) if linear_forms and cpu else None
     draft_forms = use_small_batch_linears(draft) if linear_forms and draft is not None and cpu else None
-    key = tuning_key(target, draft, target_forms is not None)
-    path = tuning_path(key)
-    stored = _read(path, key) if cache and not retune else None
-    changed = stored is None  # what was measured now is written back
+    target_key = tuning_key(target, None, target_forms is not None)
+    target_path = tuning_path(target_key)
+    stored = _read(target_path, target_key) if cache and not retune else None
     if stored is not None:
-        say(f"CPU tuning read from {path} (pass --retune to measure again)")
+        say(f"CPU tuning read from {target_path} (pass --retune to measure again)")
         _apply(target_forms, stored["target_forms"])
-        _apply(draft_forms, stored["draft_forms"])
     else:
-        say("timing the target's (and the draft's) forwards per token count (~15 s, once per machine and model; "
+        say("timing the target's forwards per token count (~15 s, once per machine and model; "
             "--stock-linears skips the linear forms)")
         seconds = choose_forms(target_forms, target_timer(target), SIZES) if target_forms is not None else \
             [target_timer(target)(n) for n in SIZES]
+        stored = {"key": target_key, "seconds": seconds, "target_forms": target_forms,
+                  "measured": time.strftime("%Y-%m-%dT%H:%M:%S")}
+        if cache:
+            _write(target_path, stored)
+    if small_batch_forms(target) is not None:
+        settle_packing(target)
+    verify = VerifyCost(SIZES, stored["seconds"])
+    if draft is None:
+        return Costs(verify, DraftCost.free(), 0.0)
+    return Costs(verify, *_tune_draft(target, draft, draft_forms, shape, cache, retune, say))
+
+
+def _tune_draft(target, draft: DraftHead, draft_forms, shape: TreeShape | None, cache: bool, retune: bool,
+                say: Callable[[str], None]) -> tuple[DraftCost, float]:
+    """The draft's part of :func:`tune`: its forms, its drafting cost for ``shape`` and its
+    catch-up cost per anchor, kept in a file of their own."""
+    key = tuning_key(target, draft, draft_forms is not None)
+    path = tuning_path(key)
+    stored = _read(path, key) if cache and not retune else None
+    changed = stored is None
+    if stored is not None:
+        _apply(draft_forms, stored["draft_forms"])
+    else:
+        say("timing the draft's forwards per anchor count (a few seconds, once per machine and draft)")
         if draft_forms is not None:
             choose_forms(draft_forms, draft_timer(draft), DRAFT_SIZES)
-        stored = {"key": key, "seconds": seconds, "target_forms": target_forms, "draft_forms": draft_forms,
-                  "draft_costs": {}, "measured": time.strftime("%Y-%m-%dT%H:%M:%S")}
-    for model in (target, draft):
-        if model is not None and small_batch_forms(model) is not None:
-            settle_packing(model)
+        stored = {"key": key, "draft_forms": draft_forms, "draft_costs": {},
+                  "measured": time.strftime("%Y-%m-%dT%H:%M:%S")}
+    if small_batch_forms(draft) is not None:
+        settle_packing(draft)
     draft_cost = DraftCost.free()
-    if draft is not None and shape is not None and shape.depth and shape.max_nodes:
+    if shape is not None and shape.depth and shape.max_nodes:
         name = json.dumps(dataclasses.asdict(shape), sort_keys=True)
         timings = stored.setdefault("draft_costs", {}).get(name)
         if timings is None:
@@ -259,11 +287,15 @@ def tune(target, draft: DraftHead | None = None, *, shape: TreeShape | None = No
             timings = stored["draft_costs"][name] = [time_drafting(draft, shape, rows) for rows in DRAFT_ROWS]
             changed = True
         draft_cost = DraftCost(DRAFT_ROWS, timings)
-    anchor = stored.get("catch_up_per_anchor") if draft is not None else 0.0
+    anchor = stored.get("catch_up_per_anchor")
     if anchor is None:
         anchor = stored["catch_up_per_anchor"] = time_catch_up(draft)
         changed = True
     if cache and changed:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        write_json_atomic(path, stored)
-    return Costs(VerifyCost(SIZES, stored["seconds"]), draft_cost, anchor)
+        _write(path, stored)
+    return draft_cost, anchor
+
+
+def _write(path: Path, stored: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_json_atomic(path, stored)
