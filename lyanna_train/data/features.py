@@ -18,7 +18,7 @@ from typing import Sequence
 
 import torch
 
-from ..target.capture import LayerCapture
+from ..target.capture import LayerCapture, logits_summary
 
 
 @dataclass
@@ -67,12 +67,9 @@ def teacher_summary(last: torch.Tensor, lm_weight: torch.Tensor, chunk: int = 10
     product runs in the LM head's own dtype (a bf16 target: a bf16 GEMM, 4x faster than
     fp32 on CPUs with AVX512-BF16, rounding logits by ~0.1 at worst); one max pass gives
     the top-1 and the shift of an fp32 logsumexp (torch.logsumexp would read the logits twice more)."""
-    top1, lse = [], []
-    for i in range(0, last.shape[0], chunk):
-        logits = (last[i:i + chunk].to(lm_weight.dtype) @ lm_weight.T).float()
-        best, index = logits.max(-1)
-        top1.append(index)
-        lse.append(best + (logits - best[:, None]).exp_().sum(-1).log_())
-    if not top1:
+    parts = [logits_summary(last[i:i + chunk].to(lm_weight.dtype) @ lm_weight.T)
+             for i in range(0, last.shape[0], chunk)]
+    if not parts:
         return last.new_zeros(0, dtype=torch.long), last.new_zeros(0, dtype=torch.float32)
-    return torch.cat(top1), torch.cat(lse)
+    return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+

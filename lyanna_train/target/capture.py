@@ -6,7 +6,8 @@ the final norm). The default is EAGLE-3's choice: SGLang and vLLM capture the *i
 layers ``2, L // 2, L - 3``, which are the outputs of ``1, L // 2 - 1, L - 4``.
 
 The feature extractor (training) and the runtime (serving) both capture through
-:class:`LayerCapture`, so they read exactly the same tensors.
+:class:`LayerCapture`, so they read exactly the same tensors, and both summarise the
+target's logits for the feature cache through :func:`logits_summary`.
 """
 
 from __future__ import annotations
@@ -18,6 +19,15 @@ import torch
 from ..errors import LyannaError
 
 LAYER_CONVENTION = "output of decoder layer i (0-based) = HF hidden_states[i+1]"
+
+
+def logits_summary(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [N, V] -> (top-1 [N] int64, logsumexp [N] fp32): what the feature cache keeps of
+    the target's distribution. One max pass gives the top-1 and the shift of the logsumexp
+    (``torch.logsumexp`` reads the logits twice more)."""
+    logits = logits.float()
+    best, index = logits.max(-1)
+    return index, best + (logits - best[:, None]).exp_().sum(-1).log_()  # a new tensor: the input is untouched
 
 
 def default_layer_ids(num_layers: int) -> tuple[int, int, int]:

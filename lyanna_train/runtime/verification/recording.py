@@ -20,6 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ...target.capture import logits_summary
+
 
 @dataclass
 class RecordedFeatures:
@@ -67,9 +69,8 @@ class FeatureRecorder:
 
     def keep(self, request, aux: torch.Tensor, last: torch.Tensor, logits: torch.Tensor) -> None:
         """Append the next positions of ``request`` ([N, ...] each, in token order)."""
-        logits = logits.float()
-        self._kept.setdefault(request.id, []).append(
-            (aux.detach().clone(), last.detach().clone(), logits.argmax(-1), torch.logsumexp(logits, -1)))
+        top1, lse = logits_summary(logits)  # as the feature cache's build summarises them
+        self._kept.setdefault(request.id, []).append((aux.detach().clone(), last.detach().clone(), top1, lse))
 
     def count(self, request) -> int:
         return sum(chunk[0].shape[0] for chunk in self._kept.get(request.id, ()))
