@@ -10,10 +10,14 @@ sizes, side by side in one run:
 * at the runtime's best batch size, the features too: one pass (the decoder records them and
   ``DistilledOutput`` writes the cache as it goes) against two (regenerate, then the feature
   cache's teacher-forced build over the output: what the cache costs per token; regeneration
-  cannot beat the target's forward).
+  cannot beat the target's forward). ``--pass-conversations`` runs these passes over more
+  conversations than ``generate`` can decode in minutes: with a few dozen, a batch of 32 rows
+  drains for most of the run, and regeneration's tokens/s against the feature pass's is a
+  steady-state figure only over enough conversations to keep the rows full.
 
     python bench/regeneration.py --draft checkpoints/smollm2_135m-export --out bench/results/regen \\
         [--conversations 32] [--max-new-tokens 64] [--batch-size 1,4,8,16] [--generate-batch-size 4]
+        [--pass-conversations 192]
 
 Prints tokens/s per method and batch size and the ratios; writes OUT/regeneration.json.
 Answers of ``runtime`` are checked against ``generate``'s at batch 1 (greedy: identical up
@@ -91,8 +95,10 @@ def one_pass_vs_two(target, tokenizer, draft, decode, cost, convs, args, batch: 
 def _passes(target, tokenizer, draft, decode, cost, convs, batch, settings, layers, work: Path) -> dict:
     begin = time.perf_counter()
     distiller = SelfDistiller(BatchDecoder(target, draft, decode, batch, cost, layer_ids=layers), tokenizer, settings)
-    append_jsonl(work / "two.jsonl", [to_sharegpt(r.cid, r.messages) for r in distiller.regenerate(convs)])
+    done = list(distiller.regenerate(convs))
+    append_jsonl(work / "two.jsonl", [to_sharegpt(r.cid, r.messages) for r in done])
     regenerated = time.perf_counter() - begin
+    new_tokens = sum(r.new_tokens for r in done)
     built = build_feature_cache(CorpusSamples(Corpus.resolve([str(work / "two.jsonl")]), tokenizer), target, tokenizer,
                                 work / "two-features", layer_ids=layers, progress=False, say=lambda *_: None)
     two = time.perf_counter() - begin
@@ -106,8 +112,9 @@ def _passes(target, tokenizer, draft, decode, cost, convs, batch, settings, laye
     one = time.perf_counter() - begin
     check = build_feature_cache(CorpusSamples(Corpus.resolve([str(work / "one.jsonl")]), tokenizer), target,
                                 tokenizer, work / "one-features", layer_ids=layers, progress=False, say=lambda *_: None)
-    result = {"batch_size": batch,
+    result = {"batch_size": batch, "conversations": len(convs), "regenerated": len(done),
               "two_pass": {"seconds": two, "regenerate_seconds": regenerated, "features_seconds": two - regenerated,
+                           "new_tokens": new_tokens, "regenerate_tokens_per_s": new_tokens / regenerated,
                            "feature_tokens": built.tokens_computed, "feature_tokens_per_s": built.tokens_per_second},
               "one_pass": {"seconds": one, "samples": output.stats.samples, "recomputed_samples": output.recomputed,
                            "shards": len(output.plan), "left_for_the_trainer_to_compute": check.shards_written}}
@@ -128,6 +135,8 @@ def main() -> int:
     p.add_argument("--generate-batch-size", default=None,
                    help="the batch sizes generate runs at (default: --batch-size's); e.g. only its best one, "
                         "when the runtime is measured at sizes where generate takes minutes")
+    p.add_argument("--pass-conversations", type=int, default=None,
+                   help="conversations the one-pass / two-pass comparison regenerates (default: --conversations)")
     p.add_argument("--out", required=True, type=Path)
     args = p.parse_args()
     sizes = [int(b) for b in args.batch_size.split(",")]
@@ -165,7 +174,8 @@ def main() -> int:
         print(f"batch {batch}: runtime {tokens / seconds:.1f} tok/s ({same}/{len(convs)} answers identical to "
               f"generate's)", flush=True)
     best_batch = int(max(results["runtime"].items(), key=lambda kv: kv[1]["tokens_per_s"])[0])
-    passes = one_pass_vs_two(target, tokenizer, draft, decode, cost, convs, args, best_batch)
+    pass_convs = first_turns(args.corpus, args.pass_conversations) if args.pass_conversations else convs
+    passes = one_pass_vs_two(target, tokenizer, draft, decode, cost, pass_convs, args, best_batch)
     feature_tps = passes["two_pass"]["feature_tokens_per_s"]
     best = {m: max(r.values(), key=lambda x: x["tokens_per_s"]) for m, r in results.items()}
     summary = {
@@ -177,11 +187,14 @@ def main() -> int:
         "one_pass_vs_two": passes["two_pass"]["seconds"] / passes["one_pass"]["seconds"],
         "runtime_vs_generate": best["runtime"]["tokens_per_s"] / best["generate"]["tokens_per_s"],
         "runtime_vs_feature_pass": best["runtime"]["tokens_per_s"] / feature_tps,
+        # the same conversations both ways: regeneration's new tokens/s in the two-pass run
+        "regeneration_vs_feature_pass": passes["two_pass"]["regenerate_tokens_per_s"] / feature_tps,
         "environment": {"cpu": platform.processor() or platform.machine(), "torch": torch.__version__,
                         "threads": torch.get_num_threads()},
     }
     print(f"best runtime / best generate: {summary['runtime_vs_generate']:.2f}x; "
-          f"best runtime / feature pass ({feature_tps:.0f} tok/s): {summary['runtime_vs_feature_pass']:.2f}x; "
+          f"best runtime / feature pass ({feature_tps:.0f} tok/s): {summary['runtime_vs_feature_pass']:.2f}x "
+          f"({summary['regeneration_vs_feature_pass']:.2f}x over the passes' {len(pass_convs)} conversations); "
           f"one pass (data and features) / two passes: {summary['one_pass_vs_two']:.2f}x faster")
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "regeneration.json").write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")

@@ -107,6 +107,11 @@ def _regeneration(data: dict) -> list[str]:
     passes = data.get("passes")
     if passes:
         one, two = passes["one_pass"], passes["two_pass"]
+        if "regeneration_vs_feature_pass" in data:
+            lines += ["", f"Over {passes['conversations']} first turns ({passes['regenerated']} regenerated) at batch "
+                          f"{passes['batch_size']}: regeneration {two['regenerate_tokens_per_s']:.1f} tok/s "
+                          f"({two['new_tokens']} new tokens), {data['regeneration_vs_feature_pass']:.2f}x the feature "
+                          f"pass over the same conversations"]
         lines += ["", f"Data and features at batch {passes['batch_size']}: two passes {two['seconds']:.1f} s "
                       f"(regenerate {two['regenerate_seconds']:.1f} s + feature cache {two['features_seconds']:.1f} s), "
                       f"one pass {one['seconds']:.1f} s: {data['one_pass_vs_two']:.2f}x; "
