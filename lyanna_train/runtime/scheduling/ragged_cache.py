@@ -109,9 +109,10 @@ class RaggedCache(Cache):
         if total <= self.capacity:
             return
         size = max(total, 2 * self.capacity)
-        if self.buffer is not None:
-            grown = self.buffer.new_zeros(*self.buffer.shape[:4], size, self.buffer.shape[5])
+        if self.buffer is not None:  # the old entries copied, only the new room zeroed: each page written once
+            grown = self.buffer.new_empty(*self.buffer.shape[:4], size, self.buffer.shape[5])
             grown[..., :self.capacity, :] = self.buffer
+            grown[..., self.capacity:, :].zero_()  # read under the mask: finite, never garbage
             self.buffer = grown
         self.capacity = size
 
