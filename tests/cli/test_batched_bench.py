@@ -116,3 +116,25 @@ def test_passes_interleave_the_methods_and_report_each_ones_median_pass():
         BB.measure(methods, [[1]], [1], 4, 1, passes=0)
     table = R.batch_table(results)
     assert "| 4.0 (2.0–8.0) |" in table
+
+
+def test_each_timed_run_starts_after_the_previous_runs_cyclic_garbage_is_freed():
+    """A run's decoder held in a reference cycle is freed before the next run starts, so no
+    method pays for faulting in fresh pages because the one before it left memory behind."""
+    import weakref
+
+    left, seen = [], []
+
+    class Decoder:  # a reference cycle: freed by the collector only
+        def __init__(self):
+            self.me = self
+
+    def run(prompts, max_new_tokens, batch):
+        seen.append([ref() is None for ref in left])
+        decoder = Decoder()
+        left.append(weakref.ref(decoder))
+        return BB.BatchRun([[7] * max_new_tokens for _ in prompts], [1.0] * len(prompts), 1.0,
+                           max_new_tokens * len(prompts), cpu_time=1.0)
+
+    BB.measure({"a": run, "b": run}, [[1], [2]], [1], 4, 2, passes=2)
+    assert len(seen) == 4 and all(all(freed) for freed in seen)
