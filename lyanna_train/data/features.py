@@ -72,4 +72,3 @@ def teacher_summary(last: torch.Tensor, lm_weight: torch.Tensor, chunk: int = 10
     if not parts:
         return last.new_zeros(0, dtype=torch.long), last.new_zeros(0, dtype=torch.float32)
     return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
-
