@@ -17,6 +17,8 @@ after its cached ones and advances its length: only those move, never the whole 
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
@@ -41,7 +43,9 @@ class RaggedLayer(CacheLayerMixin):
 
     def __init__(self, owner: "RaggedCache", index: int):
         super().__init__()
-        self.owner, self.index = owner, index
+        # a weak reference: the cache owns its layers, and a cycle back to it would keep its
+        # buffer (hundreds of MB at 16 rows) alive after the decoder is gone, until the collector runs
+        self.owner, self.index = weakref.proxy(owner), index
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.owner._allocate(key_states)
