@@ -52,6 +52,9 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     ap.add_argument("--top-p", type=float, default=1.0)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--length-window", type=int, default=GenerationSettings.length_window,
+                    help="conversations read ahead and decoded in order of length, so rows decoded together are "
+                    "alike (1: the corpus order)")
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     ap.add_argument("--decode", default="default", help="decoding settings: a conf/decode preset or a YAML file")
     cached = CacheSettings()  # the cache's defaults, declared there
@@ -68,7 +71,8 @@ def main(argv: list[str]) -> int:
         raise LyannaError(f"--limit must be at least 1, got {args.limit}")
     settings = GenerationSettings(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                                   max_prompt_tokens=args.max_prompt_tokens, max_turns=args.max_turns,
-                                  batch_size=args.batch_size, seed=args.seed)
+                                  batch_size=args.batch_size, seed=args.seed,
+                                  length_window=args.length_window)
     check_output_path(args.out)
     corpus = Corpus.resolve(args.corpus)
     inputs = [*args.corpus, *(s.path for s in corpus.sources), *(x for x in (args.target, args.draft) if x)]

@@ -9,8 +9,9 @@ import json
 import pytest
 import torch
 
-from lyanna_train.data.self_distill import (GenerationSettings, SelfDistiller, append_jsonl, done_ids, to_sharegpt,
-                                            turn_seed)
+from lyanna_train.data.self_distill import (GenerationSettings, SelfDistiller, append_jsonl, by_length, done_ids,
+                                            to_sharegpt, turn_seed)
+from lyanna_train.errors import LyannaError
 from lyanna_train.runtime.scheduling.scheduler import BatchDecoder
 from lyanna_train.runtime.settings import DecodeSettings, SamplingParams
 
@@ -118,3 +119,20 @@ def test_the_command_resumes_after_kill_9_and_writes_nothing_twice(tmp_path, tin
     ids = [json.loads(line)["id"] for line in lines]
     assert len(ids) == len(set(ids)) == 40  # nothing written twice, nothing lost
     assert sorted(lines) == sorted(whole.read_text().splitlines())  # greedy: the same answers either way
+
+
+def test_conversations_come_by_length_a_window_at_a_time():
+    def conv(cid, chars):
+        return cid, [{"role": "system", "content": "s"}, {"role": "user", "content": "x" * chars},
+                     {"role": "assistant", "content": "y" * (1000 - chars)}]  # the answer's length is not counted
+
+    items = [conv(str(i), n) for i, n in enumerate([50, 10, 40, 30, 20, 5, 60])]
+    order = [cid for cid, _ in by_length(items, 3)]
+    assert order == ["1", "2", "0", "3", "4", "5", "6"]  # [10 40 50] ascending, [30 20 5] descending, [60]
+    assert [cid for cid, _ in by_length(items, 1)] == [str(i) for i in range(7)]  # window 1: the corpus order
+    assert sorted(order) == sorted(cid for cid, _ in items)
+
+
+def test_length_window_must_be_positive():
+    with pytest.raises(LyannaError, match="length_window"):
+        GenerationSettings(length_window=0)
