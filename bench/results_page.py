@@ -93,8 +93,13 @@ def _serve(data: dict) -> list[str]:
     lines = [f"`python {data['command']}`", ""]
     rows = [[lv["server"], lv["concurrency"], lv["requests"], lv["answered"], lv["tokens_per_s"], lv.get("tau"),
              lv.get("latency_p50"), lv.get("identical_to_no_draft")] for lv in data["levels"]]
-    return lines + _table(["server", "clients", "requests", "answered", "tok/s", "τ", "latency p50 (s)",
-                           "identical to --no-draft"], rows)
+    head = ["server", "clients", "requests", "answered", "tok/s", "τ", "latency p50 (s)", "identical to --no-draft"]
+    if any("passes_tokens_per_s" in lv for lv in data["levels"]):  # --repeats: the median pass, and every pass
+        head[4] = "tok/s (median pass)"
+        head.append("every pass tok/s")
+        for row, lv in zip(rows, data["levels"]):
+            row.append(" / ".join(f"{x:.1f}" for x in lv.get("passes_tokens_per_s", [])))
+    return lines + _table(head, rows)
 
 
 def _regeneration(data: dict) -> list[str]:

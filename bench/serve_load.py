@@ -7,7 +7,7 @@ first turns (chat, greedy, streamed so the first token is timed), side by side i
 * **load**: N requests at C concurrency, bounded in time: every request must be answered
   (none lost, none failed), with throughput and p50/p95 latency;
 * **levels**: 1, 4, 16 concurrent clients (closed loop), both servers, the order
-  alternating per level; total tokens/s, latency p50/p95, time to first token, τ (from
+  alternating per level and pass (``--repeats``: the median pass is reported, with every pass); total tokens/s, latency p50/p95, time to first token, τ (from
   each server's /metrics), and whether Lyanna's greedy texts equal --no-draft's.
 
     python bench/serve_load.py --draft /work/runs/smollm2_135m-export --out checkpoints/serve-load \\
@@ -131,6 +131,12 @@ async def drive(url: str, prompts: list[str], concurrency: int, max_tokens: int,
             "texts": [r["text"] if r and r["ok"] else None for r in results]}
 
 
+def median_pass(passes: list[dict]) -> dict:
+    """The pass of median tokens/s (the lower middle one for an even count), with every pass's tokens/s."""
+    ranked = sorted(passes, key=lambda r: r["tokens_per_s"])
+    return ranked[(len(ranked) - 1) // 2] | {"passes_tokens_per_s": [r["tokens_per_s"] for r in passes]}
+
+
 def percentile(ordered: list[float], q: float) -> float:
     if len(ordered) == 1:
         return ordered[0]
@@ -143,18 +149,23 @@ def measure(server: Server, prompts: list[str], concurrency: int, max_tokens: in
     after = server.metrics()
     forwards = after["lyanna_target_forwards_total"] - before["lyanna_target_forwards_total"]
     generated = after["lyanna_generation_tokens_total"] - before["lyanna_generation_tokens_total"]
-    return result | {"server": server.name, "concurrency": concurrency, "tau": generated / forwards if forwards else 0}
+    steps = after["lyanna_engine_steps_total"] - before["lyanna_engine_steps_total"]
+    return result | {"server": server.name, "concurrency": concurrency, "tau": generated / forwards if forwards else 0,
+                     "steps": steps, "rows_per_step": forwards / steps if steps else 0}
 
 
 def table(rows: list[dict]) -> str:
-    head = ["server", "clients", "answered", "tok/s", "× no-draft", "req/s", "p50 s", "p95 s", "TTFT p50 s", "τ"]
+    head = ["server", "clients", "answered", "tok/s", "× no-draft", "req/s", "p50 s", "p95 s", "TTFT p50 s", "τ",
+            "steps", "rows/step", "passes tok/s"]
     base = {r["concurrency"]: r["tokens_per_s"] for r in rows if r["server"] == "no-draft"}
     cells = []
     for r in rows:
         ratio = r["tokens_per_s"] / base[r["concurrency"]] if base.get(r["concurrency"]) else float("nan")
         cells.append([r["server"], str(r["concurrency"]), f"{r['answered']}/{r['requests']}", f"{r['tokens_per_s']:.1f}",
                       f"{ratio:.2f}×", f"{r['requests_per_s']:.2f}", f"{r['latency_p50']:.2f}",
-                      f"{r['latency_p95']:.2f}", f"{r['ttft_p50']:.2f}", f"{r['tau']:.2f}"])
+                      f"{r['latency_p95']:.2f}", f"{r['ttft_p50']:.2f}", f"{r['tau']:.2f}",
+                      f"{r.get('steps', 0):.0f}", f"{r.get('rows_per_step', 0):.1f}",
+                      " / ".join(f"{x:.1f}" for x in r.get("passes_tokens_per_s", [r["tokens_per_s"]]))])
     return markdown_table(head, cells, left=("server",))
 
 
@@ -167,6 +178,7 @@ def main() -> int:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--levels", default="1,4,16", help="concurrent clients per measured level")
     p.add_argument("--level-requests", default="8,8,32", help="requests per level (same count for both servers)")
+    p.add_argument("--repeats", type=int, default=1, help="passes per level and server, interleaved (median reported)")
     p.add_argument("--load-requests", type=int, default=200)
     p.add_argument("--load-concurrency", type=int, default=32)
     p.add_argument("--load-max-tokens", type=int, default=32)
@@ -178,6 +190,8 @@ def main() -> int:
                    help="a decoding setting for both servers (lyanna-serve --set), repeatable")
     p.add_argument("--stock-linears", action="store_true", help="lyanna-serve --stock-linears for both servers")
     args = p.parse_args()
+    if args.repeats < 1:
+        p.error("--repeats must be at least 1")
     serve_extra = [a for kv in args.overrides for a in ("--set", kv)] + (["--stock-linears"] if args.stock_linears else [])
 
     from lyanna_train.evaluation.prompts import read_questions
@@ -198,14 +212,21 @@ def main() -> int:
         counts = [int(x) for x in args.level_requests.split(",")]
         for k, (clients, count) in enumerate(zip(levels, counts)):
             prompts = [firsts[i % len(firsts)] for i in range(count)]
-            order = ["lyanna", "no-draft"] if k % 2 == 0 else ["no-draft", "lyanna"]
-            rows = {name: measure(servers[name], prompts, clients, args.max_tokens, args.time_limit) for name in order}
-            same = sum(a == b for a, b in zip(rows["lyanna"]["texts"], rows["no-draft"]["texts"]) if a is not None)
+            passes: dict[str, list[dict]] = {"lyanna": [], "no-draft": []}
+            same = 0
+            for r in range(args.repeats):  # interleaved, the order alternating: drift falls on both alike
+                order = ["lyanna", "no-draft"] if (k + r) % 2 == 0 else ["no-draft", "lyanna"]
+                rows = {name: measure(servers[name], prompts, clients, args.max_tokens, args.time_limit)
+                        for name in order}
+                same += sum(a == b for a, b in zip(rows["lyanna"]["texts"], rows["no-draft"]["texts"]) if a is not None)
+                for name in order:
+                    passes[name].append(rows[name])
+                print(f"{clients} clients, pass {r + 1}: lyanna {rows['lyanna']['tokens_per_s']:.1f} tok/s, no-draft "
+                      f"{rows['no-draft']['tokens_per_s']:.1f} tok/s", flush=True)
             for name in ("lyanna", "no-draft"):
-                rows[name]["identical_to_no_draft"] = f"{same}/{count}"
-                report["levels"].append(rows[name])
-            print(f"{clients} clients: lyanna {rows['lyanna']['tokens_per_s']:.1f} tok/s, no-draft "
-                  f"{rows['no-draft']['tokens_per_s']:.1f} tok/s, identical {same}/{count}", flush=True)
+                report["levels"].append(median_pass(passes[name]) | {"identical_to_no_draft": f"{same}/{count * args.repeats}"})
+            print(f"{clients} clients: lyanna / no-draft {report['levels'][-2]['tokens_per_s'] / report['levels'][-1]['tokens_per_s']:.2f} "
+                  f"(medians of {args.repeats}), identical {same}/{count * args.repeats}", flush=True)
         if not args.skip_load:
             prompts = [firsts[i % len(firsts)] for i in range(args.load_requests)]
             report["load"] = measure(servers["lyanna"], prompts, args.load_concurrency, args.load_max_tokens,

@@ -41,6 +41,9 @@ def test_every_figure_comes_from_a_result_file(tmp_path, monkeypatch):
     level["tokens_per_s"] = 99.0  # a changed source changes the page
     (folder / "serve_load.json").write_text(json.dumps({"command": "x", "levels": [level]}))
     assert "| 99.0 |" in render()
+    level["passes_tokens_per_s"] = [97.5, 99.0, 101.25]  # --repeats: every pass beside the median one
+    (folder / "serve_load.json").write_text(json.dumps({"command": "x", "levels": [level]}))
+    assert "tok/s (median pass)" in render() and "| 99.0 | 1.500 | 0.500 | 8/8 | 97.5 / 99.0 / 101.2 |" in render()
 
 
 def test_the_regeneration_bench_has_its_table(tmp_path):
