@@ -7,8 +7,9 @@ first turns (chat, greedy, streamed so the first token is timed), side by side i
 * **load**: N requests at C concurrency, bounded in time: every request must be answered
   (none lost, none failed), with throughput and p50/p95 latency;
 * **levels**: 1, 4, 16 concurrent clients (closed loop), both servers, the order
-  alternating per level and pass (``--repeats``: the median pass is reported, with every pass); total tokens/s, latency p50/p95, time to first token, τ (from
-  each server's /metrics), and whether Lyanna's greedy texts equal --no-draft's.
+  alternating per level and pass (``--repeats``: the median pass is reported, with every
+  pass); total tokens/s, latency p50/p95, time to first token, τ (from each server's
+  /metrics), and whether Lyanna's greedy texts equal --no-draft's.
 
     python bench/serve_load.py --draft /work/runs/smollm2_135m-export --out checkpoints/serve-load \\
         --load-requests 200 --load-concurrency 32 --levels 1,4,16 --max-tokens 64
@@ -223,10 +224,12 @@ def main() -> int:
                     passes[name].append(rows[name])
                 print(f"{clients} clients, pass {r + 1}: lyanna {rows['lyanna']['tokens_per_s']:.1f} tok/s, no-draft "
                       f"{rows['no-draft']['tokens_per_s']:.1f} tok/s", flush=True)
-            for name in ("lyanna", "no-draft"):
-                report["levels"].append(median_pass(passes[name]) | {"identical_to_no_draft": f"{same}/{count * args.repeats}"})
-            print(f"{clients} clients: lyanna / no-draft {report['levels'][-2]['tokens_per_s'] / report['levels'][-1]['tokens_per_s']:.2f} "
-                  f"(medians of {args.repeats}), identical {same}/{count * args.repeats}", flush=True)
+            identical = f"{same}/{count * args.repeats}"
+            lyanna, plain = (median_pass(passes[name]) | {"identical_to_no_draft": identical}
+                             for name in ("lyanna", "no-draft"))
+            report["levels"] += [lyanna, plain]
+            print(f"{clients} clients: lyanna / no-draft {lyanna['tokens_per_s'] / plain['tokens_per_s']:.2f} "
+                  f"(medians of {args.repeats}), identical {identical}", flush=True)
         if not args.skip_load:
             prompts = [firsts[i % len(firsts)] for i in range(args.load_requests)]
             report["load"] = measure(servers["lyanna"], prompts, args.load_concurrency, args.load_max_tokens,
