@@ -1,5 +1,5 @@
 """Writes bench/results/README.md from the result files under bench/results/ (summary.json,
-results.json, serve_load.json, regeneration.json, gpu_check.json), so no figure on that page is copied by hand.
+results.json, serve_load.json, regeneration.json, gpu_check.json, linear_forms.json), so no figure on that page is copied by hand.
 
     python bench/results_page.py            # rewrite the page
     python bench/results_page.py --check    # exit 1 when the page is stale (what the test runs)
@@ -155,6 +155,14 @@ def _gpu_check(data: dict) -> list[str]:
         ["step", "result", "seconds", "figure"], rows)
 
 
+def _linear_forms(data: dict) -> list[str]:
+    sizes = data["sizes"]
+    return [f"`{data['command']}`: ms per target forward ({data['target']}, {data['dtype']}) after 256 cached "
+            f"tokens; torch {data['torch']}, threads {data['threads']}", "",
+            *_table(["form"] + [f"{n} tokens" for n in sizes],
+                    [[form] + [ms[str(n)] for n in sizes] for form, ms in data["ms"].items()])]
+
+
 def _render(path: Path) -> list[str] | None:
     data = json.loads(path.read_text(encoding="utf-8"))
     if path.name == "summary.json":
@@ -173,6 +181,8 @@ def _render(path: Path) -> list[str] | None:
         return _regeneration(data)
     if path.name == "gpu_check.json":
         return _gpu_check(data)
+    if path.name == "linear_forms.json":
+        return _linear_forms(data)
     return None
 
 

@@ -87,3 +87,12 @@ def test_the_gpu_check_has_its_table(tmp_path):
     text = _rendered(tmp_path, "gpu-x", "gpu_check.json", data)
     assert "## `gpu-x`" in text and "NVIDIA H200, torch 2.11.0, 2026-12-04" in text
     assert "| kernels vs references (compiled) | ok | 43 | 2 passed |" in text and "| export | FAILED | 13 |  |" in text
+
+
+def test_the_linear_forms_bench_has_its_table(tmp_path):
+    data = {"command": "python bench/linear_forms.py --sizes 32,64 --dtype float32", "target": "smollm2",
+            "dtype": "float32", "torch": "2.13.0", "threads": 2, "sizes": [32, 64],
+            "ms": {"linear": {"32": 104.8, "64": 142.7}, "onednn_packed": {"32": 42.6, "64": 68.4}}}
+    text = _rendered(tmp_path, "forms-x", "linear_forms.json", data)
+    assert "## `forms-x`" in text and "(smollm2, float32)" in text
+    assert "| form | 32 tokens | 64 tokens |" in text and "| onednn_packed | 42.6 | 68.4 |" in text

@@ -16,7 +16,7 @@ from lyanna_train.runtime.scheduling.scheduler import generate
 from lyanna_train.runtime.pricing.cost import Costs, DraftCost, VerifyCost
 from lyanna_train.runtime.cpu.tuning import choose_forms, tune, tuning_key, tuning_path
 from lyanna_train.runtime.settings import DecodeSettings, LookupSettings, TreeShape
-from lyanna_train.runtime.cpu.small_linear import MAX_ROWS, small_batch_forms
+from lyanna_train.runtime.cpu.small_linear import LARGE, MAX_ROWS, small_batch_forms
 
 from .conftest import LAYER_IDS, drafted_tokens, greedy_reference, make_draft
 
@@ -37,7 +37,7 @@ def test_choice_follows_the_timings_and_pads_to_cheaper_counts(monkeypatch):
              ("linear", 3): 6.0, ("weight_stationary", 3): 4.0, ("linear", 4): 7.0, ("weight_stationary", 4): 2.5,
              ("linear", 8): 9.0, ("weight_stationary", 8): 4.5}
     monkeypatch.setattr(cpu_tuning, "FORMS", {"linear": F.linear, "weight_stationary": F.linear})
-    forms = [("linear", r) for r in range(MAX_ROWS + 1)]
+    forms = [("linear", r) for r in range(MAX_ROWS + 1)] + [("linear", 0)]
     seen = []
 
     def time_forward(rows):
@@ -53,6 +53,27 @@ def test_choice_follows_the_timings_and_pads_to_cheaper_counts(monkeypatch):
     assert seconds == [2.0, 2.0, 2.5, 2.5, 4.5]
     with pytest.raises(ValueError, match="start at 1"):
         choose_forms(forms, time_forward, (2, 4))
+
+
+def test_counts_past_max_rows_take_the_form_fastest_over_them(monkeypatch):
+    big, bigger = MAX_ROWS + 16, MAX_ROWS + 96
+    costs = {("linear", 1): 1.0, ("weight_stationary", 1): 2.0, ("linear", big): 9.0,
+             ("weight_stationary", big): 5.0, ("linear", bigger): 20.0, ("weight_stationary", bigger): 19.0}
+    monkeypatch.setattr(cpu_tuning, "FORMS", {"linear": F.linear, "weight_stationary": F.linear})
+    forms = [("linear", r) for r in range(MAX_ROWS + 1)] + [("linear", 0)]
+    seen = []
+
+    def time_forward(rows):
+        form, padded = forms[rows] if rows <= MAX_ROWS else forms[LARGE]
+        seen.append((form, padded, rows))
+        return costs[form, rows]
+
+    seconds = choose_forms(forms, time_forward, (1, big, bigger))
+    assert {(f, r) for f, _, r in seen} == set(costs) and all(p == 0 for _, p, r in seen if r > MAX_ROWS)
+    assert forms[LARGE] == ("weight_stationary", 0)  # 24 in all against 29
+    assert forms[1] == ("linear", 1)
+    assert forms[2] == ("weight_stationary", 2) and forms[MAX_ROWS] == ("weight_stationary", MAX_ROWS)  # unmeasured: the large form
+    assert seconds == [1.0, 5.0, 19.0]
 
 
 @pytest.mark.slow

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from lyanna_train.runtime.scheduling.scheduler import generate
 from lyanna_train.runtime.cpu.tuning import tune
 from lyanna_train.runtime.settings import DecodeSettings, LookupSettings, TreeShape
-from lyanna_train.runtime.cpu.small_linear import (FORMS, MAX_ROWS, PACKED, SmallBatchLinear, settle_packing,
+from lyanna_train.runtime.cpu.small_linear import (FORMS, LARGE, MAX_ROWS, PACKED, SmallBatchLinear, settle_packing,
                                                    small_batch_forms, use_small_batch_linears)
 
 from .conftest import LAYER_IDS, drafted_tokens, greedy_reference
@@ -33,16 +33,22 @@ def test_every_form_and_padding_computes_the_linear_product(form, bias, rows, pa
     torch.testing.assert_close(got, F.linear(x, layer[0].weight, layer[0].bias), rtol=1e-5, atol=1e-5)
 
 
-def test_training_and_large_batches_take_plain_linear(monkeypatch):
+def test_training_takes_plain_linear_and_large_batches_the_large_form(monkeypatch):
     layer = torch.nn.Sequential(torch.nn.Linear(8, 4))
     forms = use_small_batch_linears(layer)
-    forms[:] = [("weight_stationary", MAX_ROWS)] * (MAX_ROWS + 1)
+    assert len(forms) == LARGE + 1 and forms[LARGE] == ("linear", 0)  # untuned: F.linear everywhere
+    forms[:] = [("weight_stationary", MAX_ROWS)] * (MAX_ROWS + 1) + [("onednn_like", 0)]
     monkeypatch.setitem(FORMS, "weight_stationary", lambda *a: pytest.fail("the tuned form ran"))
+    calls = []
+    monkeypatch.setitem(FORMS, "onednn_like", lambda x2, lin: calls.append(x2.shape[0]) or F.linear(x2, lin.weight))
     x = torch.randn(2, 8, requires_grad=True)
     layer(x).sum().backward()  # gradients on: F.linear
-    assert x.grad is not None
+    assert x.grad is not None and not calls
+    x = torch.randn(MAX_ROWS + 5, 8)
     with torch.inference_mode():
-        layer(torch.randn(MAX_ROWS + 1, 8))  # past MAX_ROWS: F.linear
+        got = layer(x)  # past MAX_ROWS: the large form, unpadded
+    assert calls == [MAX_ROWS + 5]
+    torch.testing.assert_close(got, F.linear(x, layer[0].weight, layer[0].bias))
 
 
 def test_the_swap_keeps_the_weights_and_is_reversible(tiny_target):
@@ -70,7 +76,7 @@ def test_decoding_through_measured_linears_is_lossless(tiny_target, tiny_fitted,
     assert small_batch_forms(draft) is not None and small_batch_forms(draft) is not small_batch_forms(target)
     # whatever this machine chose, run the tuned forms (padded where it can) in both models
     for forms in (small_batch_forms(target), small_batch_forms(draft)):
-        forms[1:] = [(form, max(2, r + r % 2)) for r in range(1, MAX_ROWS + 1)]
+        forms[1:] = [(form, max(2, r + r % 2)) for r in range(1, MAX_ROWS + 1)] + [(form, 0)]
     assert greedy_reference(target, [1, 17, 200, 5, 99], 24) == expected  # the baseline sees them too
     settings = DecodeSettings(TreeShape(3, 2, 2, 6), LookupSettings(4, pool_tokens=0), verify="all")
     out = generate(target, draft, [1, 17, 200, 5, 99], 24, settings, eos_ids=(), layer_ids=LAYER_IDS)

@@ -41,7 +41,8 @@ from typing import Callable, Iterator
 import torch
 import torch.nn.functional as F
 
-MAX_ROWS = 32  # beyond this (prefill, training) F.linear is the right form
+MAX_ROWS = 32  # row counts with a form (and padding) of their own
+LARGE = MAX_ROWS + 1  # the form list's last entry: one form, unpadded, for every count past MAX_ROWS
 
 
 def _linear(x2: torch.Tensor, layer: torch.nn.Linear) -> torch.Tensor:
@@ -87,9 +88,14 @@ if torch.backends.mkldnn.is_available():  # torch built without oneDNN: the two 
 class SmallBatchLinear(torch.nn.Linear):
     """``nn.Linear`` whose forward, for a few rows, uses ``forms[rows] = (form, padded)``:
     the rows are padded (with copies of the first) to ``padded`` and multiplied in that form,
-    because MKL is faster on some counts (2, 4, 8, 16) than on smaller ones. Same weights,
-    same state dict; set on an existing module by :func:`use_small_batch_linears`. ``forms``
-    is one list shared by every linear of a model."""
+    because MKL is faster on some counts (2, 4, 8, 16) than on smaller ones; past MAX_ROWS
+    (a prefill, a wide verify) every count takes ``forms[LARGE]``'s form, unpadded: on a
+    Zen 4, oneDNN's packed weights run a SmolLM2 forward over 48-256 tokens in about half
+    F.linear's time (56 / 97 / 244 ms against 112 / 212 / 448 at 48 / 96 / 256,
+    ``bench/linear_forms.py``). Same
+    weights, same state dict; set on an existing module by :func:`use_small_batch_linears`.
+    ``forms`` is one list shared by every linear of a model. Gradients on (training):
+    F.linear."""
 
     forms: list[tuple[str, int]]
 
@@ -100,7 +106,7 @@ class SmallBatchLinear(torch.nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-        form, padded = self.forms[rows] if rows <= MAX_ROWS else ("linear", rows)
+        form, padded = self.forms[rows] if rows <= MAX_ROWS else (self.forms[LARGE][0], rows)
         if (form == "linear" and padded == rows) or torch.is_grad_enabled():
             return F.linear(x, self.weight, self.bias)
         x2 = x.reshape(rows, x.shape[-1])
@@ -118,7 +124,7 @@ def use_small_batch_linears(model: torch.nn.Module, enabled: bool = True) -> lis
     turns them back. None for a model not on the CPU. Called again, it keeps the list."""
     if any(p.device.type != "cpu" for p in model.parameters()):
         return None
-    forms = small_batch_forms(model) or [("linear", rows) for rows in range(MAX_ROWS + 1)]
+    forms = small_batch_forms(model) or [("linear", rows) for rows in range(MAX_ROWS + 1)] + [("linear", 0)]
     for module in model.modules():
         if enabled and type(module) is torch.nn.Linear:
             module.__class__ = SmallBatchLinear

@@ -48,38 +48,40 @@ from ..settings import TreeShape
 from ..verification.masks import ragged_mask
 from ..verification.target_step import ragged_forward
 from ..verification.tree import TokenTree
-from .small_linear import FORMS, MAX_ROWS, settle_packing, small_batch_forms, use_small_batch_linears
+from .small_linear import FORMS, LARGE, MAX_ROWS, settle_packing, small_batch_forms, use_small_batch_linears
 
-SIZES = tuple(range(1, 17)) + (20, 24, 28, 32, 48, 64)  # target tokens per verify forward
-DRAFT_SIZES = tuple(range(1, 17))  # anchors accepted at once, or tree nodes of one level
+SIZES = tuple(range(1, 17)) + (20, 24, 28, 32, 48, 64, 128)  # target tokens per verify forward (128: a prefill's form)
+DRAFT_SIZES = tuple(range(1, 17)) + (64,)  # anchors accepted at once, or tree nodes of one level (64: a catch-up)
 DRAFT_ROWS = (1, 2, 3, 4, 6, 8, 12, 16)  # rows drafting at once (the draft cost's sizes)
 ACCEPTED = 2  # anchors each drafting row extends by per timed iteration (a typical accepted run)
 CONTEXT = 256  # cached tokens before the timed forward
 REPEATS = 3  # best of: the run least disturbed by other work
-FORMAT = 3
+FORMAT = 4  # 4: the form list's LARGE entry
 
 
 def choose_forms(forms: list[tuple[str, int]], time_forward: Callable[[int], float], sizes) -> list[float]:
     """Time a whole forward ``time_forward(rows)`` (seconds) in each form at each row count
     of ``sizes`` (increasing, from 1); then give every count up to MAX_ROWS the fastest
-    (form, measured count >= it) -> the resulting seconds at each of ``sizes``. Counts past
-    the largest measured one keep ``F.linear``."""
+    (form, measured count >= it), and the counts past MAX_ROWS (``forms[LARGE]``) the form
+    fastest over the measured ones there (``F.linear`` if none was) -> the resulting
+    seconds at each of ``sizes``."""
     if sizes[0] != 1:
         raise ValueError("sizes must start at 1")
     timed = {}  # (form, rows) -> seconds
     for rows in sizes:
-        for form in FORMS if rows <= MAX_ROWS else ("linear",):
-            if rows <= MAX_ROWS:
-                forms[rows] = (form, rows)
+        for form in FORMS:
+            forms[min(rows, LARGE)] = (form, rows if rows <= MAX_ROWS else 0)
             timed[form, rows] = time_forward(rows)
+    large = [rows for rows in sizes if rows > MAX_ROWS]
+    forms[LARGE] = (min(FORMS, key=lambda f: sum(timed[f, rows] for rows in large)) if large else "linear", 0)
     best = None
     for rows in range(MAX_ROWS, 0, -1):  # the cheapest choice among counts >= rows
         here = [key for key in timed if key[1] == rows]
         if here:
             fastest = min(here, key=timed.get)
             best = fastest if best is None or timed[fastest] <= timed[best] else best
-        forms[rows] = best or ("linear", rows)  # past the largest measured count: untouched
-    return [timed[forms[rows]] if rows <= MAX_ROWS else timed["linear", rows] for rows in sizes]
+        forms[rows] = best or forms[LARGE][:1] + (rows,)  # past the largest measured count: the large form
+    return [timed[forms[rows]] if rows <= MAX_ROWS else timed[forms[LARGE][0], rows] for rows in sizes]
 
 
 def _wait(device: torch.device) -> None:
