@@ -92,10 +92,9 @@ class SmallBatchLinear(torch.nn.Linear):
     (a prefill, a wide verify) every count takes ``forms[LARGE]``'s form, unpadded: on a
     Zen 4, oneDNN's packed weights run a SmolLM2 forward over 48-256 tokens in about half
     F.linear's time (56 / 97 / 244 ms against 112 / 212 / 448 at 48 / 96 / 256,
-    ``bench/linear_forms.py``). Same
-    weights, same state dict; set on an existing module by :func:`use_small_batch_linears`.
-    ``forms`` is one list shared by every linear of a model. Gradients on (training):
-    F.linear."""
+    ``bench/linear_forms.py``). Same weights, same state dict; set on an existing module by
+    :func:`use_small_batch_linears`. ``forms`` is one list shared by every linear of a
+    model. Gradients on (training): F.linear."""
 
     forms: list[tuple[str, int]]
 
