@@ -7,7 +7,8 @@ sizes, side by side in one run:
   self-distillation used to decode; a batch waits for its slowest row);
 * ``runtime``: ``data_tools/self_distill.py``'s way, the runtime's continuous batching with
   speculation (the ``--draft`` head, else prompt lookup), which is lossless;
-* at the runtime's best batch size, the features too: one pass (the decoder records them and
+* over ``--pass-conversations``, regeneration alone at each batch size, then at the best one
+  the features too: one pass (the decoder records them and
   ``DistilledOutput`` writes the cache as it goes) against two (regenerate, then the feature
   cache's teacher-forced build over the output: what the cache costs per token; regeneration
   cannot beat the target's forward). ``--pass-conversations`` runs these passes over more
@@ -80,28 +81,40 @@ def by_generate(target, tokenizer, prompts: list[list[int]], stop_ids: list[int]
     return answers
 
 
-def one_pass_vs_two(target, tokenizer, draft, decode, cost, convs, args, batch: int) -> dict:
-    """The same conversations regenerated with their features, at ``batch``: in one pass
-    (the decoder records them, :class:`DistilledOutput`) against regeneration followed by
-    the feature cache's build over its output (the teacher-forced pass)."""
+def one_pass_vs_two(target, tokenizer, draft, decode, cost, convs, args, sizes: list[int]) -> dict:
+    """The same conversations regenerated at each of ``sizes`` (the best one chosen over
+    these conversations, not over the short runs above, where a batch drains for most of
+    the run), then at the best size with their features: in one pass (the decoder records
+    them, :class:`DistilledOutput`) against that regeneration followed by the feature
+    cache's build over its output (the teacher-forced pass)."""
     import tempfile
 
     layers = default_layer_ids(target.config.num_hidden_layers)
-    settings = GenerationSettings(max_new_tokens=args.max_new_tokens, batch_size=batch)
     with tempfile.TemporaryDirectory(prefix="regeneration-passes-") as tmp:  # caches stay out of the results
-        return _passes(target, tokenizer, draft, decode, cost, convs, batch, settings, layers, Path(tmp))
+        return _passes(target, tokenizer, draft, decode, cost, convs, sizes, args.max_new_tokens, layers, Path(tmp))
 
 
-def _passes(target, tokenizer, draft, decode, cost, convs, batch, settings, layers, work: Path) -> dict:
+def _passes(target, tokenizer, draft, decode, cost, convs, sizes, max_new_tokens, layers, work: Path) -> dict:
+    regenerated = {}
+    for batch in sizes:
+        settings = GenerationSettings(max_new_tokens=max_new_tokens, batch_size=batch)
+        begin = time.perf_counter()
+        distiller = SelfDistiller(BatchDecoder(target, draft, decode, batch, cost, layer_ids=layers), tokenizer,
+                                  settings)
+        done = list(distiller.regenerate(convs))
+        append_jsonl(work / f"two-{batch}.jsonl", [to_sharegpt(r.cid, r.messages) for r in done])
+        seconds = time.perf_counter() - begin
+        new_tokens = sum(r.new_tokens for r in done)
+        regenerated[batch] = {"seconds": seconds, "new_tokens": new_tokens, "regenerated": len(done),
+                              "tokens_per_s": new_tokens / seconds}
+        print(f"batch {batch}: regenerating {len(convs)} conversations {new_tokens / seconds:.1f} tok/s", flush=True)
+    batch = max(regenerated, key=lambda b: regenerated[b]["tokens_per_s"])
+    best = regenerated[batch]
     begin = time.perf_counter()
-    distiller = SelfDistiller(BatchDecoder(target, draft, decode, batch, cost, layer_ids=layers), tokenizer, settings)
-    done = list(distiller.regenerate(convs))
-    append_jsonl(work / "two.jsonl", [to_sharegpt(r.cid, r.messages) for r in done])
-    regenerated = time.perf_counter() - begin
-    new_tokens = sum(r.new_tokens for r in done)
-    built = build_feature_cache(CorpusSamples(Corpus.resolve([str(work / "two.jsonl")]), tokenizer), target, tokenizer,
-                                work / "two-features", layer_ids=layers, progress=False, say=lambda *_: None)
-    two = time.perf_counter() - begin
+    built = build_feature_cache(CorpusSamples(Corpus.resolve([str(work / f"two-{batch}.jsonl")]), tokenizer), target,
+                                tokenizer, work / "two-features", layer_ids=layers, progress=False, say=lambda *_: None)
+    features = time.perf_counter() - begin
+    settings = GenerationSettings(max_new_tokens=max_new_tokens, batch_size=batch)
     begin = time.perf_counter()
     decoder = BatchDecoder(target, draft, decode, batch, cost, layer_ids=layers, record_features=True)
     distiller = SelfDistiller(decoder, tokenizer, settings, record_features=True)
@@ -112,13 +125,15 @@ def _passes(target, tokenizer, draft, decode, cost, convs, batch, settings, laye
     one = time.perf_counter() - begin
     check = build_feature_cache(CorpusSamples(Corpus.resolve([str(work / "one.jsonl")]), tokenizer), target,
                                 tokenizer, work / "one-features", layer_ids=layers, progress=False, say=lambda *_: None)
-    result = {"batch_size": batch, "conversations": len(convs), "regenerated": len(done),
-              "two_pass": {"seconds": two, "regenerate_seconds": regenerated, "features_seconds": two - regenerated,
-                           "new_tokens": new_tokens, "regenerate_tokens_per_s": new_tokens / regenerated,
+    two = best["seconds"] + features
+    result = {"batch_size": batch, "conversations": len(convs), "regenerated": best["regenerated"],
+              "regenerate_by_batch": {str(b): r for b, r in regenerated.items()},
+              "two_pass": {"seconds": two, "regenerate_seconds": best["seconds"], "features_seconds": features,
+                           "new_tokens": best["new_tokens"], "regenerate_tokens_per_s": best["tokens_per_s"],
                            "feature_tokens": built.tokens_computed, "feature_tokens_per_s": built.tokens_per_second},
               "one_pass": {"seconds": one, "samples": output.stats.samples, "recomputed_samples": output.recomputed,
                            "shards": len(output.plan), "left_for_the_trainer_to_compute": check.shards_written}}
-    print(f"batch {batch}: two passes {two:.1f} s (regenerate {regenerated:.1f} + features {two - regenerated:.1f}), "
+    print(f"batch {batch}: two passes {two:.1f} s (regenerate {best['seconds']:.1f} + features {features:.1f}), "
           f"one pass {one:.1f} s -> {two / one:.2f}x; {output.recomputed}/{output.stats.samples} samples re-tokenized "
           f"otherwise; trainer's build over it computed {check.shards_written} shards", flush=True)
     return result
@@ -173,9 +188,8 @@ def main() -> int:
                                           "identical_to_generate": f"{same}/{len(convs)}"}
         print(f"batch {batch}: runtime {tokens / seconds:.1f} tok/s ({same}/{len(convs)} answers identical to "
               f"generate's)", flush=True)
-    best_batch = int(max(results["runtime"].items(), key=lambda kv: kv[1]["tokens_per_s"])[0])
     pass_convs = first_turns(args.corpus, args.pass_conversations) if args.pass_conversations else convs
-    passes = one_pass_vs_two(target, tokenizer, draft, decode, cost, pass_convs, args, best_batch)
+    passes = one_pass_vs_two(target, tokenizer, draft, decode, cost, pass_convs, args, sizes)
     feature_tps = passes["two_pass"]["feature_tokens_per_s"]
     best = {m: max(r.values(), key=lambda x: x["tokens_per_s"]) for m, r in results.items()}
     summary = {

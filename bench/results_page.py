@@ -117,6 +117,9 @@ def _regeneration(data: dict) -> list[str]:
                           f"{passes['batch_size']}: regeneration {two['regenerate_tokens_per_s']:.1f} tok/s "
                           f"({two['new_tokens']} new tokens), {data['regeneration_vs_feature_pass']:.2f}x the feature "
                           f"pass over the same conversations"]
+        if "regenerate_by_batch" in passes:
+            lines += ["", "Regeneration alone over them, by batch size: " + ", ".join(
+                f"{b}: {r['tokens_per_s']:.1f} tok/s" for b, r in passes["regenerate_by_batch"].items())]
         lines += ["", f"Data and features at batch {passes['batch_size']}: two passes {two['seconds']:.1f} s "
                       f"(regenerate {two['regenerate_seconds']:.1f} s + feature cache {two['features_seconds']:.1f} s), "
                       f"one pass {one['seconds']:.1f} s: {data['one_pass_vs_two']:.2f}x; "

@@ -52,12 +52,14 @@ def test_the_regeneration_bench_has_its_table(tmp_path):
                         "runtime": {"1": {"tokens": 32, "tokens_per_s": 21.5, "identical_to_generate": "4/4"}}},
             "feature_pass_tokens_per_s": 300.0, "runtime_vs_generate": 2.15, "runtime_vs_feature_pass": 0.07,
             "one_pass_vs_two": 1.62,
-            "passes": {"batch_size": 1, "two_pass": {"seconds": 8.1, "regenerate_seconds": 6.0, "features_seconds": 2.1},
+            "passes": {"batch_size": 1, "regenerate_by_batch": {"1": {"tokens_per_s": 5.3}, "2": {"tokens_per_s": 4.9}},
+                       "two_pass": {"seconds": 8.1, "regenerate_seconds": 6.0, "features_seconds": 2.1},
                        "one_pass": {"seconds": 5.0, "samples": 4, "recomputed_samples": 1,
                                     "left_for_the_trainer_to_compute": 0}}}
     text = _rendered(tmp_path, "regen-x", "regeneration.json", data)
     assert "## `regen-x`" in text and "| runtime | 1 | 32 | 21.5 | 4/4 |" in text and "generate 2.15x" in text
     assert "one pass 5.0 s: 1.62x" in text and "1/4 samples re-tokenized otherwise" in text
+    assert "by batch size: 1: 5.3 tok/s, 2: 4.9 tok/s" in text
 
 
 def test_the_feature_storage_bench_has_its_table(tmp_path):
