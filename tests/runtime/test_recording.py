@@ -65,3 +65,25 @@ def test_nothing_is_recorded_unless_asked(tiny_target):
     for _ in decoder.run():
         pass
     assert request.features is None and decoder.batch.recorder is None
+
+
+def test_the_last_positions_are_scored_inside_the_batch_forwards(tiny_target):
+    """An answer's last token and its closing tokens are scored in the batch's own verify
+    forwards (the row rides along, its next closing token forced), never in a forward of
+    their own: four rows ending together close together, every forward after the prefills
+    spans all four."""
+    decoder = BatchDecoder(tiny_target, None, PLAIN, 4, eos_ids=(), layer_ids=LAYER_IDS, record_features=True)
+    requests = [decoder.submit(p, 6, closing=(7, 3)) for p in FIT_PROMPTS]
+    spans = []
+    handle = tiny_target.register_forward_pre_hook(lambda *_: spans.append(decoder.batch.cache.plan.rows))
+    try:
+        for _ in decoder.run():
+            pass
+    finally:
+        handle.remove()
+    assert spans[:4] == [slice(i, i + 1) for i in range(4)]  # the prefills
+    assert spans[4:] and all(s == slice(0, 4) for s in spans[4:])
+    assert len(spans) == 4 + 5 + 3  # 5 iterations to 6 tokens, then the last token and the two closing ones
+    for request in requests:
+        assert request.features.ids == request.prompt + request.tokens + [7, 3]
+        assert request.finish_reason == "length"

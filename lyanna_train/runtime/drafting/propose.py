@@ -78,7 +78,8 @@ def propose_rows(batch, rows: slice) -> list[TokenTree]:
     frees, behind = [], []
     for slot, row in zip(range(rows.start, rows.stop), active):
         behind.append(draft is not None and batch.draft_state.behind(slot))  # a pool behind its row has no candidates
-        frees.append(free_candidates(row.context, row.length, settings.lookup, row.estimates,
+        frees.append([] if row.closing is not None else  # a closing row's root is scored alone
+                     free_candidates(row.context, row.length, settings.lookup, row.estimates,
                                      batch.draft_state.row(slot) if draft is not None and not behind[-1] else None,
                                      draft.cfg.pool_threshold if draft is not None else 0.0))
     trees = [TokenTree.rooted_at(row.last_token) for row in active]
@@ -93,6 +94,7 @@ def propose_rows(batch, rows: slice) -> list[TokenTree]:
             drafting = choose_drafting([[p for c in f for p in c.probs] for f in frees], head,
                                        batch.costs, limit=batch.width_limit, margin=settings.margin, behind=waiting,
                                        weights=batch.weights[rows] if batch.weights is not None else None)
+    drafting = [d and row.closing is None for d, row in zip(drafting, active)]
     if any(drafting):
         begin = time.perf_counter()
         first = drafting.index(True)

@@ -37,6 +37,11 @@ class Row:
     generator: torch.Generator
     estimates: AcceptanceEstimates = field(default_factory=AcceptanceEstimates)
     drafted: bool = False  # whether the head drafted for this row in the current iteration
+    # a recording decoder's finished answer, its last positions still to score: the tokens forced
+    # after the row's last one (what a chat template closes a turn with), one per iteration, and
+    # why the request ended; None while the row decodes
+    closing: list[int] | None = None
+    reason: str = ""
 
     @property
     def last_token(self) -> int:

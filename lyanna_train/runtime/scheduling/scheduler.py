@@ -217,7 +217,7 @@ class BatchDecoder:
             row.append([first])
             request.target_forwards = 1
             request.first_token_at = time.perf_counter()
-            updates.append(self._deliver(row, [first]))
+            updates.append(self._deliver(slot, row, [first]))
 
     def _verify(self, rows: slice, trees: list[TokenTree], updates: list[Update]) -> None:
         active = self.rows[rows]
@@ -231,12 +231,16 @@ class BatchDecoder:
         verified = time.perf_counter() - begin
         news = accept_rows(self.batch, rows, trees, logits, aux)
         delivered = 0
-        for row, tree, new in zip(active, trees, news):
+        for slot, row, tree, new in zip(range(rows.start, rows.stop), active, trees, news):
+            if row.closing is not None:  # a finished answer's closing: no token of its request
+                if not row.request.done and self.batch.recorder.count(row.request) == row.length:
+                    updates.append(self._closed(row))
+                continue
             row.request.target_forwards += 1
             row.request.accept_lengths.append(len(new))
             row.request.tree_sizes.append(len(tree))
             if not row.request.done:  # cancelled mid hold-cycle: verified with the others, nothing delivered
-                updates.append(self._deliver(row, new))
+                updates.append(self._deliver(slot, row, new))
                 delivered += len(updates[-1].tokens)
         if isinstance(self.batch.costs, MeasuredCosts):  # what this iteration took, for the next ones' choices
             # whole, from proposal to delivery, but a catch-up (a one-off, priced apart); a hold
@@ -265,7 +269,7 @@ class BatchDecoder:
         left = row.request.max_new_tokens - len(row.request.tokens)
         return left if self.batch.max_positions is None else min(left, self.batch.max_positions - row.length)
 
-    def _deliver(self, row: Row, new: list[int]) -> Update:
+    def _deliver(self, slot: int, row: Row, new: list[int]) -> Update:
         """Append a row's new tokens to its request (cut at EOS / its token budget)."""
         request = row.request
         before = len(request.tokens)
@@ -276,15 +280,41 @@ class BatchDecoder:
         if done:
             reason = "eos" if request.tokens[-1] in request.eos else \
                 "length" if len(request.tokens) >= request.max_new_tokens else "context"
-            request.finish(Status.FINISHED, reason)
+            if self.batch.recorder is not None:
+                self._close(slot, row, reason)
+            else:
+                request.finish(Status.FINISHED, reason)
         return Update(request, request.tokens[before:])
+
+    def _close(self, slot: int, row: Row, reason: str) -> None:
+        """A recording decoder's answer is complete: its last token, which no forward has
+        scored yet, and the closing tokens after it (:func:`..verification.recording.unclosed`)
+        are scored one per iteration inside the batch's own verify forwards (the row's root
+        alone, the next closing token forced), and the request finishes when the last one is
+        (:meth:`_closed`). A row cut inside an accepted path goes back to its answer's last
+        token: both caches hold tokens past it that the request does not keep."""
+        request = row.request
+        ids = request.prompt + request.tokens
+        extra = unclosed(request.tokens, request.closing)
+        if self.batch.max_positions is not None and len(ids) + len(extra) > self.batch.max_positions:
+            extra = []  # the context is full: the answer stays unclosed
+        self.batch.recorder.cut(request, len(ids) - 1)
+        self.batch.cache.lengths[slot] = len(ids) - 1
+        row.length, row.closing, row.reason = len(ids), list(extra), reason
+
+    def _closed(self, row: Row) -> Update:
+        """Every position of a closing row is scored: its request finishes, with its features."""
+        request = row.request
+        request.features = self.batch.recorder.finish(request, row.context[:row.length].tolist())
+        request.finish(Status.FINISHED, row.reason)
+        return Update(request)
 
     def _free_done(self) -> None:
         """Free the slots of finished and cancelled rows; the last row takes each freed slot."""
-        if self.batch.recorder is not None:
-            self._finish_records()
         for slot in reversed(range(len(self.rows))):
             if self.rows[slot].request.done:
+                if self.batch.recorder is not None and self.rows[slot].request.features is None:
+                    self.batch.recorder.forget(self.rows[slot].request)  # cancelled: nothing to hand over
                 last = len(self.rows) - 1
                 if slot != last:
                     self.batch.cache.move_row(last, slot)
@@ -296,37 +326,6 @@ class BatchDecoder:
                     if self.batch.draft_state is not None:
                         self.batch.draft_state.reset_row(slot)
                 self.rows.pop()
-
-
-    def _finish_records(self) -> None:
-        """Hand each finished request its recorded features; a request whose last token no
-        forward has scored yet (it was the row's bonus token) gets a one-token forward."""
-        recorder = self.batch.recorder
-        for slot, row in enumerate(self.rows):
-            request = row.request
-            if not request.done or request.features is not None:
-                continue
-            if request.status is not Status.FINISHED:
-                recorder.forget(request)
-                continue
-            ids = request.prompt + request.tokens
-            extra = unclosed(request.tokens, request.closing)
-            limit = self.batch.max_positions
-            if limit is not None and len(ids) + len(extra) > limit:
-                extra = []  # the context is full: the answer stays unclosed
-            if extra or recorder.count(request) < len(ids):
-                # re-score from the answer's last token: the root of no verify yet, or (a request
-                # cut inside an accepted path) followed in both caches by tokens it does not keep,
-                # whose positions the closing tokens take
-                start = len(ids) - 1
-                recorder.cut(request, start)
-                self.batch.cache.lengths[slot] = start
-                tree = TokenTree.rooted_at(ids[-1])
-                tree.add_path(extra)
-                logits, aux = verify_rows(self.batch, slice(slot, slot + 1), [tree])
-                n = len(tree)
-                recorder.keep(request, aux[0, :n], recorder.last[0, :n], logits[0, :n])
-            request.features = recorder.finish(request, ids + extra)
 
 
 def _measured(cost: Costs | None, target):

@@ -6,11 +6,13 @@ last hidden state (the LM head's input) and the teacher's full-vocabulary top-1 
 logsumexp. Decoding computes all of them already — the prompt's in the prefill, each
 accepted token's in the verify forward that scored it — so a :class:`FeatureRecorder`
 keeps them instead of paying a second, teacher-forced pass. Rejected candidates and
-padding are never kept; tokens a row accepted past its request's cut are dropped at the
-end, and the one token no forward has scored yet (the last) gets its forward when its
-request finishes — one chain forward that also scores the request's ``closing`` tokens
-(what a chat template puts after an answer), so a recorded conversation is the whole
-turn a training sample holds.
+padding are never kept; tokens a row accepted past its request's cut are dropped when it
+ends. The one token no forward has scored yet (the last) and the request's ``closing``
+tokens (what a chat template puts after an answer) are then scored inside the batch's
+next verify forwards, one per iteration, the row's root alone with the next closing token
+forced (:meth:`..scheduling.scheduler.BatchDecoder._close`): a recorded conversation is the
+whole turn a training sample holds. A forward of their own per request (two tokens of one
+row) cost 4.8 s of a 132 s one pass over 192 ShareGPT turns at 64 rows (fp32, Zen 4).
 """
 
 from __future__ import annotations

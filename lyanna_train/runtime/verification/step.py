@@ -5,7 +5,9 @@
 * :func:`accept_rows` — each row its own path (greedy, or rejection sampling with its own
   parameters and generator, :mod:`.sampling`), then both caches rolled to it and the
   draft's step 0 over the accepted tokens, in one forward, for the rows that drafted (the
-  others keep them in their backlog until they draft again).
+  others keep them in their backlog until they draft again). A closing row (a recording
+  decoder's finished answer, :attr:`..scheduling.batch.Row.closing`) keeps its root and
+  takes the next forced token instead.
 
 Each row's output is what the row decoded alone would give: the same acceptance rules
 applied to its own logits, which a row's padding and the other rows never touch.
@@ -52,12 +54,16 @@ def accept_rows(batch, rows: slice, trees: list[TokenTree], logits: torch.Tensor
     paths, news = [], []
     for i, (row, tree) in enumerate(zip(active, trees)):
         params = row.request.sampling
-        if params.greedy:
-            path, bonus = accept_greedy_tree(tree, greedy[i])
+        if row.closing is not None:  # a finished answer's closing: its root scored, the next token forced
+            path, new = [0], row.closing[:1]
+            del row.closing[:1]
         else:
-            path, bonus = accept_tree_sampling(tree, warp_probs(logits[i, :len(tree)], params), row.generator)
-        new = tree.path_tokens(path[1:]) + [bonus]
-        row.estimates.update(tree, new)
+            if params.greedy:
+                path, bonus = accept_greedy_tree(tree, greedy[i])
+            else:
+                path, bonus = accept_tree_sampling(tree, warp_probs(logits[i, :len(tree)], params), row.generator)
+            new = tree.path_tokens(path[1:]) + [bonus]
+            row.estimates.update(tree, new)
         paths.append(path)
         news.append(new)
         if batch.recorder is not None:  # the accepted nodes' features (the root's token first)
