@@ -7,13 +7,16 @@ the choice can be read off a table.
 
     python bench/linear_forms.py --sizes 16,32,48,64,96,128,256 --out bench/results/linear-forms-zen4
 
-Writes OUT/linear_forms.json and OUT/summary.md.
+Writes OUT/linear_forms.json and OUT/summary.md. ``ONEDNN_MAX_CPU_ISA=AVX2
+ATEN_CPU_CAPABILITY=avx2`` in front caps both libraries at AVX2 (what an AVX2-only CPU runs);
+the command recorded says so.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 from pathlib import Path
 
@@ -47,7 +50,9 @@ def main() -> None:
             ms[form][str(n)] = 1000 * timer(n)
         print(f"{n} tokens: " + ", ".join(f"{f} {ms[f][str(n)]:.1f} ms" for f in FORMS), flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
-    meta = {"command": "python bench/linear_forms.py --sizes " + args.sizes + " --dtype " + args.dtype,
+    # an instruction set capped for the run (an older CPU's, emulated) is part of the command
+    capped = "".join(f"{k}={os.environ[k]} " for k in ("ONEDNN_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY") if k in os.environ)
+    meta = {"command": capped + "python bench/linear_forms.py --sizes " + args.sizes + " --dtype " + args.dtype,
             "target": args.target, "dtype": args.dtype, "torch": torch.__version__, "threads": torch.get_num_threads(),
             "machine": platform.processor() or platform.machine()}
     (args.out / "linear_forms.json").write_text(json.dumps({**meta, "sizes": sizes, "ms": ms}, indent=2))
