@@ -86,15 +86,15 @@ def propose_rows(batch, rows: slice) -> list[TokenTree]:
     shape = settings.tree
     drafting = [False] * len(active)
     if draft is not None and shape.depth and shape.max_nodes:
-        if settings.verify != "auto":  # "fit", "all": the head drafts for every row
-            drafting = [True] * len(active)
+        if settings.verify != "auto":  # "fit", "all": the head drafts for every row (a closing row never)
+            drafting = [row.closing is None for row in active]
         else:
-            head = [row.estimates.expected_head(shape.depth, shape.max_nodes) for row in active]
+            head = [row.estimates.expected_head(shape.depth, shape.max_nodes) if row.closing is None else None
+                    for row in active]
             waiting = [batch.draft_state.waiting(slot) for slot in range(rows.start, rows.stop)]
             drafting = choose_drafting([[p for c in f for p in c.probs] for f in frees], head,
                                        batch.costs, limit=batch.width_limit, margin=settings.margin, behind=waiting,
                                        weights=batch.weights[rows] if batch.weights is not None else None)
-    drafting = [d and row.closing is None for d, row in zip(drafting, active)]
     if any(drafting):
         begin = time.perf_counter()
         first = drafting.index(True)
