@@ -24,6 +24,7 @@ class RenderedConversation:
     text: str
     spans: list[tuple[int, int]]  # [start, end) character spans of assistant tokens
     unaligned_turns: int = 0  # assistant turns whose span could not be derived
+    turns: tuple[int, ...] = ()  # the message each span belongs to (its index in ``messages``)
 
 
 def _compiled_template(template):
@@ -86,7 +87,7 @@ class ChatRenderer:
     def render_with_spans(self, messages: list[dict]) -> RenderedConversation:
         """Render ``messages`` and locate every assistant turn's tokens as character spans."""
         text = self.render(messages)
-        spans, unaligned = [], 0
+        spans, turns, unaligned = [], [], 0
         for i, message in enumerate(messages):
             if message["role"] != "assistant":
                 continue
@@ -106,7 +107,8 @@ class ChatRenderer:
             end = start + self._end_of_turn(upto[start:], message["content"])
             if end > start:
                 spans.append((start, end))
-        return RenderedConversation(text, spans, unaligned)
+                turns.append(i)
+        return RenderedConversation(text, spans, unaligned, tuple(turns))
 
     def _probe(self) -> tuple[str, str]:
         """An answer's rendered span and what the template writes after it, from a probe render."""

@@ -3,9 +3,10 @@
 Schemas: ShareGPT (``conversations`` of ``from``/``value``), OpenAI (``messages`` of
 ``role``/``content``, content may be a list of text parts), plain ``text``, and
 prompt/completion pairs (``prompt`` + ``completion``/``response``/``canonical_solution``,
-e.g. HumanEval), and user-only ``turns`` lists (MT-Bench questions). Roles are mapped onto ``system``/``user``/``assistant``; anything
-that cannot be mapped is reported as a :class:`Skip` with its reason, never dropped
-silently.
+e.g. HumanEval), and user-only ``turns`` lists (MT-Bench questions). Roles are mapped onto
+``system``/``user``/``assistant``; anything that cannot be mapped is reported as a
+:class:`Skip` with its reason, never dropped silently. An assistant turn's optional
+``token_ids`` (see :data:`TOKEN_IDS`) are kept with it.
 """
 
 from __future__ import annotations
@@ -24,6 +25,11 @@ ROLE_ALIASES = {
     "assistant": "assistant",
     "model": "assistant",
 }
+# An assistant turn may carry the ids the target emitted for its content (regeneration writes
+# them on the turn it recorded features for): a decoded answer can tokenize otherwise (the
+# target writes "\n\n" + "1" where the tokenizer reads "\n", "\n1"), and a draft should learn
+# the ids the target emits, not a re-tokenization it never sees while serving.
+TOKEN_IDS = "token_ids"
 _COMPLETION_KEYS = ("completion", "response", "canonical_solution", "output")
 
 
@@ -76,7 +82,14 @@ def _messages(turns, role_key: str, content_key: str) -> Union[list[dict], str]:
         text = _content_text(turn.get(content_key))
         if text is None:
             return f"turn without text '{content_key}'"
-        messages.append({"role": role, "content": text})
+        message = {"role": role, "content": text}
+        if TOKEN_IDS in turn:
+            ids = turn[TOKEN_IDS]
+            if role != "assistant" or not isinstance(ids, list) or not ids \
+                    or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids):
+                return f"'{TOKEN_IDS}' must be a non-empty list of token ids on an assistant turn"
+            message[TOKEN_IDS] = ids
+        messages.append(message)
     if not messages:
         return "empty conversation"
     return messages

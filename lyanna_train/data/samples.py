@@ -2,7 +2,9 @@
 
 The mask marks exactly the tokens the target would generate in assistant turns (the
 end-of-turn token included, template headers excluded), derived from the template
-itself by :class:`~lyanna_train.data.chat_template.ChatRenderer`.
+itself by :class:`~lyanna_train.data.chat_template.ChatRenderer`. An assistant turn that
+carries the target's own ``token_ids`` (a regenerated one) takes them in place of its
+content's tokenization.
 
 Truncation policy: a sample longer than ``max_length`` keeps its first ``max_length``
 tokens (every kept assistant token then has its real context) with ``overflow=truncate``,
@@ -19,7 +21,7 @@ import torch
 
 from ..errors import LyannaError
 from .chat_template import ChatRenderer, TemplateRenderError, token_range
-from .conversations import Document, Skip
+from .conversations import TOKEN_IDS, Document, Skip
 from .corpus import Corpus, ReadNotes, iter_documents
 
 EVALUATION_ONLY = {"mtbench": "MT-Bench", "mt_bench_question": "MT-Bench", "tasks": "tasks-unlike-chat"}
@@ -87,6 +89,7 @@ class SampleBuilder:
     def __init__(self, tokenizer, settings: SampleSettings = SampleSettings()):
         self.renderer = ChatRenderer(tokenizer)
         self.backend = tokenizer.backend_tokenizer
+        self.vocab_size = len(tokenizer)
         self.settings = settings
 
     def build(self, doc: Document, stats: SampleStats) -> Sample | None:
@@ -101,12 +104,11 @@ class SampleBuilder:
         if not rendered.spans:
             stats.skip("no assistant tokens in the rendered conversation")
             return None
-        enc = self.backend.encode(rendered.text, add_special_tokens=False)
-        ids = torch.tensor(enc.ids, dtype=torch.int64)
-        mask = torch.zeros(len(ids), dtype=torch.bool)
-        for start, end in rendered.spans:
-            a, b = token_range(enc, start, end)
-            mask[a:b] = True
+        emitted = self._emitted(doc.messages, rendered)
+        if isinstance(emitted, str):
+            stats.skip(emitted)
+            return None
+        ids, mask = self._tokens(rendered, emitted)
         if len(ids) > self.settings.max_length:
             if self.settings.overflow == "drop":
                 stats.skip(f"longer than max_length {self.settings.max_length} (dropped)")
@@ -120,6 +122,41 @@ class SampleBuilder:
         stats.tokens += len(ids)
         stats.assistant_tokens += int(mask.sum())
         return Sample(doc.index, ids, mask)
+
+    def _emitted(self, messages, rendered) -> list[tuple[int, int, list[int]]] | str:
+        """``(start, end, ids)``: the content characters of each assistant turn that carries its
+        own ``token_ids``, in order, or why the conversation cannot be used. A turn whose
+        content the template rewrites (trims, say) keeps its text's tokens."""
+        out = []
+        for (start, _end), turn in zip(rendered.spans, rendered.turns):
+            own = messages[turn].get(TOKEN_IDS)
+            if own is None:
+                continue
+            if max(own) >= self.vocab_size:
+                return f"'{TOKEN_IDS}' outside the tokenizer's vocabulary"
+            content = messages[turn]["content"]
+            if content and rendered.text[start:start + len(content)] == content:
+                out.append((start, start + len(content), own))
+        return out
+
+    def _tokens(self, rendered, emitted) -> tuple[torch.Tensor, torch.Tensor]:
+        """The conversation's ids and assistant mask. The text between emitted contents is
+        tokenized piece by piece, as regeneration tokenized the prompt before an answer and
+        the closing after it (a header's newline and an answer's first one would otherwise
+        merge into one token the target never read)."""
+        ids, mask, cursor = [], [], 0
+        for start, end, own in emitted + [(len(rendered.text), len(rendered.text), [])]:
+            enc = self.backend.encode(rendered.text[cursor:start], add_special_tokens=False)
+            piece = [False] * len(enc.ids)
+            for s, e in rendered.spans:  # each span's part inside this piece
+                s, e = max(s, cursor), min(e, start)
+                if s < e:
+                    a, b = token_range(enc, s - cursor, e - cursor)
+                    piece[a:b] = [True] * (b - a)
+            ids += enc.ids + own
+            mask += piece + [True] * len(own)
+            cursor = end
+        return torch.tensor(ids, dtype=torch.int64), torch.tensor(mask, dtype=torch.bool)
 
 
 class CorpusSamples:

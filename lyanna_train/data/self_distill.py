@@ -13,7 +13,8 @@ frees its place for the next — no row waits for the slowest of a fixed batch. 
 turn samples with its own seed, derived from the run's seed and the conversation's id,
 so a conversation's answers do not depend on which others shared its batch.
 
-Output is ShareGPT-format JSONL, one conversation per line, appended and fsynced as each
+Output is ShareGPT-format JSONL, one conversation per line (the last answer with the ids
+the target emitted for it, ``token_ids``: the decoded text can tokenize otherwise), appended and fsynced as each
 conversation completes, so a run killed at any point resumes by skipping the ids
 already written (a torn last line is cut) and writes nothing twice.
 """
@@ -31,6 +32,7 @@ from typing import Iterable, Iterator, Protocol
 
 from ..errors import LyannaError
 from .chat_template import ChatRenderer, TemplateRenderError
+from .conversations import TOKEN_IDS
 
 _TO_SHAREGPT = {"user": "human", "assistant": "gpt", "system": "system"}
 
@@ -191,7 +193,9 @@ class SelfDistiller:
             return self._end(conv, "refused by the decoder")
         if not answer:
             return self._end(conv, "target stopped at once")
-        conv.out.append({"role": "assistant", "content": self.tokenizer.decode(answer)})
+        for message in conv.out:  # earlier answers are history now, read as a server reads it: as text
+            message.pop(TOKEN_IDS, None)
+        conv.out.append({"role": "assistant", "content": self.tokenizer.decode(answer), TOKEN_IDS: answer})
         conv.new_tokens += len(answer)
         conv.features = request.features
         conv.cursor += 1
@@ -212,7 +216,14 @@ class SelfDistiller:
 
 
 def to_sharegpt(cid: str, messages: list[dict]) -> dict:
-    return {"id": cid, "conversations": [{"from": _TO_SHAREGPT[m["role"]], "value": m["content"]} for m in messages]}
+    """A ShareGPT record; the last answer keeps the ids the target emitted (``token_ids``)."""
+    turns = []
+    for m in messages:
+        turn = {"from": _TO_SHAREGPT[m["role"]], "value": m["content"]}
+        if TOKEN_IDS in m:
+            turn[TOKEN_IDS] = list(m[TOKEN_IDS])
+        turns.append(turn)
+    return {"id": cid, "conversations": turns}
 
 
 def done_ids(path: Path) -> set[str]:

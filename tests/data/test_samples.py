@@ -128,3 +128,32 @@ def test_bad_records_are_counted_never_lost(tmp_path, smollm2_tokenizer):
     stats = SampleStats()
     kept = list(iter_samples(corpus, smollm2_tokenizer, SampleSettings(max_length=128, overflow="drop"), stats))
     assert [s.index for s in kept] == [0] and stats.skipped["longer than max_length 128 (dropped)"] == 1
+
+
+def test_an_answer_with_the_targets_own_ids_keeps_them(smollm2_tokenizer):
+    """A target may write "\\n\\n" as one token and "1" after it, where the decoded text
+    tokenizes as the header's newline merged with the answer's first: the sample holds the
+    prompt as regeneration tokenized it and then the ids the target emitted."""
+    tok = smollm2_tokenizer
+    own = [tok.convert_tokens_to_ids("ĊĊ")] + tok.encode("1. yes", add_special_tokens=False)
+    text = tok.decode(own)
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "a\n\n1. b"},
+                {"role": "user", "content": "and?"}, {"role": "assistant", "content": text}]
+    plain = SampleBuilder(tok).build(to_document(0, {"messages": messages}), SampleStats())
+    assert own not in [plain.input_ids[i:i + 4].tolist() for i in range(len(plain))]  # re-tokenized otherwise
+
+    messages[3] = {**messages[3], "token_ids": own}
+    stats = SampleStats()
+    sample = SampleBuilder(tok).build(to_document(0, {"messages": messages}), stats)
+    prompt = tok.apply_chat_template(messages[:3], add_generation_prompt=True, tokenize=True, return_dict=False)
+    closing = tok.encode("<|im_end|>\n", add_special_tokens=False)
+    assert sample.input_ids.tolist() == prompt + own + closing
+    assert _segments(sample.loss_mask)[-1] == (len(prompt), len(prompt) + len(own) + 1)  # answer + end of turn
+    assert _segments(sample.loss_mask)[0] == _segments(plain.loss_mask)[0]  # the earlier turn as before
+
+    bad = [*messages[:3], {**messages[3], "token_ids": [len(tok) + 5]}]
+    assert SampleBuilder(tok).build(to_document(0, {"messages": bad}), stats) is None
+    assert stats.skipped == {"'token_ids' outside the tokenizer's vocabulary": 1}
+    for wrong in ([], ["7"], [-1], 3):
+        skip = to_document(0, {"messages": [*messages[:3], {**messages[3], "token_ids": wrong}]})
+        assert "'token_ids' must be a non-empty list of token ids" in skip.reason
