@@ -34,6 +34,7 @@ class _Plan:
     def __init__(self):
         self.rows = slice(0, 0)
         self.offsets = torch.zeros(0, dtype=torch.long)
+        self.lengths: list[int] = []  # the same, as host ints
         self.single: int | None = None  # all offsets equal (one row, or a prefill): plain slicing
         self.kv_length = 0
 
@@ -129,6 +130,7 @@ class RaggedCache(Cache):
         plan = self.plan
         plan.rows, plan.kv_length = rows, longest
         plan.offsets = torch.tensor(lengths, dtype=torch.long, device=self.device)
+        plan.lengths = list(lengths)
         plan.single = lengths[0] if len(set(lengths)) == 1 else None
         return plan.offsets
 

@@ -17,6 +17,7 @@ import os
 import torch
 
 from ...target.capture import LayerCapture
+from .grouped_attention import grouped, row_groups
 from .masks import MaskForm, UnsupportedTarget, key_positions, ragged_mask
 
 
@@ -75,11 +76,15 @@ def ragged_forward(target, capture: LayerCapture | None, cache, input_ids: torch
     """Rows of new tokens after a :class:`.ragged_cache.RaggedCache` (planned by its
     ``begin``): input_ids / position_ids [R, T], mask [R, 1, T, kv_length] bool (what each
     token may read, :func:`.masks.ragged_mask`) -> (logits [R, T or logits_to_keep, V],
-    aux [R, T, k·H]). The mask reaches the model in the form its attention reads."""
+    aux [R, T, k·H]). The mask reaches the model in the form its attention reads; rows of
+    unlike lengths are attended in runs, each over its own keys (:mod:`.grouped_attention`)."""
     keys = key_positions(cache.plan.offsets, position_ids, mask.shape[-1])
     mask = MaskForm.of(target).build(mask, position_ids, keys)
-    return _run(target, capture, input_ids=input_ids, position_ids=position_ids, attention_mask=mask,
-                use_cache=True, logits_to_keep=logits_to_keep, **{cache_kwarg(target): cache})
+    width = input_ids.shape[1]
+    groups = row_groups([n + width for n in cache.plan.lengths], width) if len(cache.plan.lengths) > 1 else None
+    with grouped(target, groups):
+        return _run(target, capture, input_ids=input_ids, position_ids=position_ids, attention_mask=mask,
+                    use_cache=True, logits_to_keep=logits_to_keep, **{cache_kwarg(target): cache})
 
 
 def check_target_masks(target) -> None:
