@@ -62,8 +62,9 @@ PROMPTS = [[1, 17, 200, 5, 99], LONG, [1, 250, 3, 3, 8], [1, 33, 34], [1, 5, 6, 
 MAX_NEW = [20, 14, 24, 18, 16]
 
 
-@pytest.mark.parametrize("shape", [TreeShape(0, 1, 1, 0), TreeShape(3, 2, 2, 6)], ids=["plain", "tree"])
-def test_a_batch_with_a_long_row_decodes_in_runs_and_stays_lossless(tiny_target, tiny_fitted, monkeypatch, shape):
+@pytest.mark.parametrize("shape", [pytest.param(TreeShape(0, 1, 1, 0), id="plain"),
+                                   pytest.param(TreeShape(3, 2, 2, 6), id="tree", marks=pytest.mark.slow)])
+def test_a_batch_with_a_long_row_decodes_in_runs_and_stays_lossless(tiny_target, request, monkeypatch, shape):
     assert tiny_target.config._attn_implementation == "sdpa"
     cuts, short_calls = [], []
     real_groups, real_sdpa = row_groups, grouped_attention.sdpa_attention_forward
@@ -79,7 +80,7 @@ def test_a_batch_with_a_long_row_decodes_in_runs_and_stays_lossless(tiny_target,
 
     monkeypatch.setattr(target_step, "row_groups", spy_groups)
     monkeypatch.setattr(grouped_attention, "sdpa_attention_forward", spy_sdpa)
-    draft = tiny_fitted[True] if shape.depth else None
+    draft = request.getfixturevalue("tiny_fitted")[True] if shape.depth else None  # drafts the target accepts
     settings = DecodeSettings(shape, LookupSettings(4, pool_tokens=4), verify="all")
     decoder = BatchDecoder(tiny_target, draft, settings, 4, eos_ids=(), layer_ids=LAYER_IDS)
     requests = [decoder.submit(p, n) for p, n in zip(PROMPTS, MAX_NEW)]
