@@ -33,14 +33,24 @@ def decode_dir() -> Path:
     return conf_dir() / "decode"
 
 
+_registered: tuple | None = None  # what the store holds: the schema and the recipe files as they were
+
+
 def register_configs(schema) -> None:
     """The typed schema (``training.config.Config``, handed in: this module stays a leaf) as
     ``lyanna_schema``, which ``conf/config.yaml``'s defaults start from, and every
-    ``recipes/*.yaml`` as the ``recipe`` group (package _global_)."""
+    ``recipes/*.yaml`` as the ``recipe`` group (package _global_). Once per process while
+    the recipe files stay as they are (a compose registered them again: ~60 ms each)."""
+    global _registered
     from hydra.core.config_store import ConfigStore
     from omegaconf import OmegaConf
 
+    paths = sorted(recipes_dir().glob("*.yaml"))
+    key = (id(schema), str(recipes_dir()), tuple((p.name, p.stat().st_mtime_ns, p.stat().st_size) for p in paths))
+    if key == _registered:
+        return
     store = ConfigStore.instance()
     store.store(name="lyanna_schema", node=schema)
-    for path in sorted(recipes_dir().glob("*.yaml")):
+    for path in paths:
         store.store(group="recipe", name=path.stem, node=OmegaConf.load(path), package="_global_")
+    _registered = key

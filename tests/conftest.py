@@ -228,6 +228,23 @@ def _fit(target, draft, sequences, steps: int, lr: float):
     return draft.eval()
 
 
+def once_per_run(tmp_path_factory, name: str, make):
+    """``make()`` (a dict of tensors and plain values) computed once per test run: the first
+    pytest-xdist worker to need it saves it beside the workers' temp folders, the others
+    (waiting on its lock meanwhile) load it. For deterministic, seeded fits of several
+    seconds that each worker would otherwise repeat."""
+    from filelock import FileLock
+
+    shared = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        shared = shared.parent  # one folder above every worker's own
+    saved = shared / f"{name}.pt"
+    with FileLock(str(saved) + ".lock"):
+        if not saved.exists():
+            torch.save(make(), saved)
+        return torch.load(saved, weights_only=False)  # written by this run
+
+
 @pytest.fixture(scope="session")
 def smollm2_fitted(smollm2_tokenizer, tmp_path_factory):
     """The embedded SmolLM2 (fp32, torch's own linears), two prompts with its greedy
@@ -237,20 +254,11 @@ def smollm2_fitted(smollm2_tokenizer, tmp_path_factory):
     on 2 Zen 4 cores: each worker fitting its own cost that again)."""
     from types import SimpleNamespace
 
-    from filelock import FileLock
-
     from lyanna_train.models.draft_head import DraftHead
     from lyanna_train.target.model import load_target_model
 
     target = load_target_model("smollm2")
-    shared = tmp_path_factory.getbasetemp()
-    if os.environ.get("PYTEST_XDIST_WORKER"):
-        shared = shared.parent  # one folder above every worker's own
-    saved = shared / "smollm2_fitted.pt"
-    with FileLock(str(saved) + ".lock"):
-        if not saved.exists():
-            torch.save(_fit_smollm2(target, smollm2_tokenizer), saved)
-        fitted = torch.load(saved, weights_only=False)  # written just above, by this run
+    fitted = once_per_run(tmp_path_factory, "smollm2_fitted", lambda: _fit_smollm2(target, smollm2_tokenizer))
     draft = DraftHead(fitted["cfg"], fitted["hot"], target.get_input_embeddings().weight)
     draft.load_state_dict(fitted["state"])
     return SimpleNamespace(target=target, draft=draft.eval(), prompts=fitted["prompts"], refs=fitted["refs"])

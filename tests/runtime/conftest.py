@@ -104,27 +104,37 @@ FIT_STEPS = 400  # ~6 s for both drafts; a chain of 1 then keeps ~28 of 60 draft
 
 
 @pytest.fixture(scope="session")
-def tiny_fitted(tiny_target):
+def tiny_fitted(tiny_target, tmp_path_factory):
     """{pool: draft} for pool on and off: drafts distilled (a few seconds each, with the
     trainer's loss, :func:`tests.conftest.fit_draft`) on ``tiny_target``'s own greedy
     continuations of ``FIT_PROMPTS``, so that their candidates ARE accepted there. A
     random draft's tokens (p ~ 1/V) are almost never accepted: a lossless test through one
     checks plain decoding, not the verification and roll-back of draft nodes."""
-    from ..conftest import fit_draft
+    from ..conftest import fit_draft, once_per_run
 
     with torch.inference_mode():
         fulls = [list(p) + greedy_reference(tiny_target, list(p), FIT_TOKENS) for p in FIT_PROMPTS]
     seen = sorted({t for full in fulls for t in full})
-    drafts = {}
-    for pool in (True, False):
+
+    def build(pool: bool) -> DraftHead:
         torch.manual_seed(0)
         rest = [t for t in torch.randperm(V).tolist() if t not in set(seen)]
         hot = torch.tensor(seen + rest[:max(0, 128 - len(seen))])
         cfg = DraftConfig(target_hidden_size=H, vocab_size=V, draft_vocab_size=len(hot), hidden_size=H,
                           intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                           pool_size=128 if pool else 0, pool_threshold=0.0, aux_layer_ids=LAYER_IDS)
-        draft = DraftHead(cfg, hot, tiny_target.model.embed_tokens.weight)
-        drafts[pool] = fit_draft(tiny_target, draft, fulls, steps=FIT_STEPS, lr=1e-2, threads=1)
+        return DraftHead(cfg, hot, tiny_target.model.embed_tokens.weight)
+
+    def fit() -> dict:
+        return {pool: fit_draft(tiny_target, build(pool), fulls, steps=FIT_STEPS, lr=1e-2, threads=1).state_dict()
+                for pool in (True, False)}
+
+    states = once_per_run(tmp_path_factory, "tiny_fitted", fit)
+    drafts = {}
+    for pool, state in states.items():
+        drafts[pool] = build(pool)
+        drafts[pool].load_state_dict(state)
+        drafts[pool].eval()
     return drafts
 
 

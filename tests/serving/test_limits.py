@@ -55,7 +55,7 @@ def test_the_budget_fits_the_context_exactly_and_the_default_is_cut_to_it(server
 @pytest.fixture
 def limited(tiny):
     """A server with one decoding slot, one waiting place, two requests in flight, 4 KiB bodies,
-    and steps of >= 20 ms (a long request stays in flight)."""
+    and steps of >= 20 ms (a request of 80 tokens stays in flight >= 1.6 s)."""
     from lyanna_train.runtime.settings import load_decode_settings
     from lyanna_train.serving.limits import Limits
     from lyanna_train.serving.server import build_app, target_only
@@ -72,7 +72,7 @@ def limited(tiny):
 def _in_background(server, n: int) -> list[threading.Thread]:
     def long():
         try:
-            _post(server, {"model": MODEL, "prompt": "tea", "max_tokens": 200, "temperature": 0})
+            _post(server, {"model": MODEL, "prompt": "tea", "max_tokens": 80, "temperature": 0})
         except httpx.HTTPError:
             pass
 

@@ -26,8 +26,40 @@ def test_fingerprint_is_stable_and_sensitive(smollm2_tokenizer, header_template_
     # a different chat template does not change the vocabulary, hence not the fingerprint
     assert fp == tokenizer_fingerprint(AutoTokenizer.from_pretrained(header_template_dir))
     other = AutoTokenizer.from_pretrained(header_template_dir)
+    assert tokenizer_fingerprint(other) == fp  # remembered for this object from here on
     other.add_tokens(["<brand-new-token>"])
     assert tokenizer_fingerprint(other) != fp
+    renamed = AutoTokenizer.from_pretrained(header_template_dir)
+    assert tokenizer_fingerprint(renamed) == fp
+    renamed.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>", "<x-special>"]})
+    assert tokenizer_fingerprint(renamed) != fp  # a special token more: hashed again, not the remembered value
+
+
+def test_the_remembered_fingerprint_is_the_one_computed_from_scratch():
+    """The fingerprint's fast path (ids sorted without the token as a tie-breaker) gives the
+    hash of the documented order; a vocabulary with a shared id takes the full order."""
+    import hashlib
+    import json
+
+    class Tok:
+        def __init__(self, vocab):
+            self.vocab, self.added_tokens_decoder, self.all_special_tokens = vocab, {}, ["<s>"]
+
+        def __len__(self):
+            return len(self.vocab)
+
+        def get_vocab(self):
+            return dict(self.vocab)
+
+    def by_hand(vocab):
+        payload = json.dumps({"vocab": sorted(vocab.items(), key=lambda kv: (kv[1], kv[0])), "special": [],
+                              "named": ["<s>"]}, ensure_ascii=False)
+        return "sha256:" + hashlib.sha256(payload.encode("utf-8")).hexdigest()
+
+    unique = {"b": 1, "a": 2, "<s>": 0, "é": 3}
+    shared = {"b": 1, "a": 1, "<s>": 0}  # the token breaks the tie
+    assert tokenizer_fingerprint(Tok(unique)) == by_hand(unique)
+    assert tokenizer_fingerprint(Tok(shared)) == by_hand(shared)
 
 
 @pytest.mark.parametrize("spec,message", [
