@@ -1,6 +1,6 @@
 """Benchmark: how the feature cache is stored and filled, at one budget — bf16 or fp8, cached or hybrid.
 
-Runs ``lyanna-train +recipe=smollm2_135m`` once per variant and seed, every run on the same
+Runs ``lyanna-train +recipe=smollm2_135m`` (in this process) once per variant and seed, every run on the same
 samples (the first run's time budget decides how many, ``budget.json``; the others are
 pinned to it with the budget off, or ``--samples N`` pins all) with one shared hot
 vocabulary, each with its own feature cache built from nothing. Per run it reports the
@@ -24,7 +24,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -43,17 +42,21 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def train_run(run_dir: Path, overrides: list[str]) -> tuple[float, float]:
-    """One lyanna-train run (resumed if it stopped); returns its start (epoch seconds) and wall minutes."""
-    cmd = [sys.executable, "-m", "lyanna_train.cli.train", "+recipe=smollm2_135m", f"train.out_dir={run_dir}",
-           *overrides]
-    # DeepSpeed's CPU op is built once per environment, with its own ninja (as `make install` and
-    # tests/conftest.py do), not timed in a run
-    env = {"TORCH_EXTENSIONS_DIR": str(Path(sys.prefix) / "torch_extensions"), **os.environ,
-           "PATH": os.pathsep.join([str(Path(sys.prefix) / "bin"), os.environ.get("PATH", "")])}
+    """One lyanna-train run in this process (resumed if it stopped), as the CLI runs it;
+    returns its start (epoch seconds) and wall minutes. The slow imports come before the
+    clock (a run in a fresh process pays them: ~4 s of every variant alike)."""
+    from omegaconf import OmegaConf
+
+    from lyanna_train.cli.plan import compose
+    from lyanna_train.errors import LyannaError
+    from lyanna_train.training.loop import train
+
+    cfg = compose(["+recipe=smollm2_135m", f"train.out_dir={run_dir}", *overrides])
     started, start = time.time(), time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
-    if proc.returncode:
-        raise SystemExit(f"{run_dir.name} failed ({' '.join(cmd)}):\n{proc.stderr[-3000:]}")
+    try:
+        train(cfg, OmegaConf.to_container(cfg, resolve=True))
+    except LyannaError as err:
+        raise SystemExit(f"{run_dir.name} failed: {err}") from None
     return started, (time.perf_counter() - start) / 60
 
 
@@ -133,9 +136,18 @@ def main() -> None:
     out = args.out / args.name
     out.mkdir(parents=True, exist_ok=True)
     hot = out / "hotvocab"
+    # DeepSpeed's CPU op is built once per environment, with its own ninja (as `make install` and
+    # tests/conftest.py do), not timed in a run
+    os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path(sys.prefix) / "torch_extensions"))
+    os.environ["PATH"] = os.pathsep.join([str(Path(sys.prefix) / "bin"), os.environ.get("PATH", "")])
+    import deepspeed  # noqa: F401 - imported before any run's clock starts
+    import lyanna_train.training.loop  # noqa: F401
+    from lyanna_train.hotvocab.build import build
+    from lyanna_train.hotvocab.counting import CountSettings
+    from lyanna_train.hotvocab.selection import SelectionRequest
+
     if not (hot / "manifest.json").exists():
-        subprocess.run([sys.executable, "-m", "lyanna_train.cli.hotvocab", "--corpus", args.corpus, "--tokenizer",
-                        "smollm2", "--ratios", "0.05", "--out", str(hot), "--no-progress"], check=True)
+        build([args.corpus], "smollm2", hot, [SelectionRequest(ratio=0.05)], CountSettings(), progress=False)
     common = [f"hotvocab.path={hot}", f"data.corpus=[{args.corpus}]", "tracking.wandb.enabled=false", *args.extra]
     samples = args.samples
     runs = [(v, int(s)) for v in args.variants.split(",") for s in args.seeds.split(",")]
