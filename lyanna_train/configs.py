@@ -36,6 +36,11 @@ def decode_dir() -> Path:
 _registered: tuple | None = None  # what the store holds: the schema and the recipe files as they were
 
 
+def _stamp(path: Path) -> tuple[int, int]:
+    stat = path.stat()
+    return stat.st_mtime_ns, stat.st_size
+
+
 def register_configs(schema) -> None:
     """The typed schema (``training.config.Config``, handed in: this module stays a leaf) as
     ``lyanna_schema``, which ``conf/config.yaml``'s defaults start from, and every
@@ -46,7 +51,7 @@ def register_configs(schema) -> None:
     from omegaconf import OmegaConf
 
     paths = sorted(recipes_dir().glob("*.yaml"))
-    key = (id(schema), str(recipes_dir()), tuple((p.name, p.stat().st_mtime_ns, p.stat().st_size) for p in paths))
+    key = (id(schema), str(recipes_dir()), tuple((p.name, *_stamp(p)) for p in paths))
     if key == _registered:
         return
     store = ConfigStore.instance()
