@@ -78,10 +78,13 @@ class FusionSettings:
     # verification until k micro-batches are drafted (the design's variant; lyanna-bench --hold K)
     micro_batches: int = 1
     shallow_first: bool = False  # under the fused token budget, admit nodes by depth before probability
+    # requests admitted in one step are prefilled together, in forwards of at most this many
+    # (padded) prompt tokens; 0: one forward per request
+    prefill_tokens: int = 2048
 
     def __post_init__(self):
-        if self.micro_batches < 1:
-            raise ValueError(f"micro_batches must be at least 1, got {self.micro_batches}")
+        if self.micro_batches < 1 or self.prefill_tokens < 0:
+            raise ValueError(f"need micro_batches >= 1 and prefill_tokens >= 0, got {self}")
 
 
 @dataclass(frozen=True)

@@ -153,6 +153,49 @@ def test_requests_join_a_running_batch(tiny_target, references):
     assert [r.tokens for r in later] == [references[1], references[2]]
 
 
+def test_requests_admitted_together_are_prefilled_in_one_padded_forward(tiny_target, tiny_fitted, references,
+                                                                       monkeypatch):
+    """Prompts of 1 to 16 tokens admitted in one step share ONE prefill forward (each padded
+    at its end to the longest); every row still gets what the target gives it alone, and
+    the head, drafting from that forward's features, gets each row's drafts accepted as
+    when every prompt had a forward of its own (``prefill_tokens`` 0)."""
+    from lyanna_train.runtime.scheduling import batch
+
+    monkeypatch.setattr(batch, "PREFILL_PADDING", 100.0)  # these short prompts differ by far more than a CPU pads
+    accepted = {}
+    for budget in (2048, 0):
+        decoder = BatchDecoder(tiny_target, tiny_fitted[True], DecodeSettings(TreeShape(2, 2, 2, 4), NO_LOOKUP,
+                               verify="all"), max_batch=5, eos_ids=(), layer_ids=LAYER_IDS,
+                               fusion=FusionSettings(prefill_tokens=budget))
+        requests = [decoder.submit(p, n) for p, n in zip(PROMPTS, MAX_NEW)]
+        widths = []
+        handle = tiny_target.register_forward_pre_hook(lambda _m, _a, kw: widths.append(kw["input_ids"].shape),
+                                                       with_kwargs=True)
+        try:
+            decoder.step()
+        finally:
+            handle.remove()
+        *prefills, verify = widths  # the prefills, then the first verify forward over every row
+        assert prefills == ([(5, max(map(len, PROMPTS)))] if budget else [(1, len(p)) for p in sorted(PROMPTS, key=len)])
+        assert verify[0] == 5
+        for _ in decoder.run():
+            pass
+        assert [r.tokens for r in requests] == references
+        accepted[budget] = [r.accept_lengths for r in requests]
+    assert accepted[2048] == accepted[0] and sum(a - 1 for r in accepted[0] for a in r) > 20
+
+
+def test_prefill_groups_pad_little_and_keep_to_the_budget(monkeypatch):
+    from lyanna_train.runtime.scheduling import batch
+
+    assert batch.prefill_groups([100, 10, 104, 96, 12], 2048) == [[1, 4], [3, 0, 2]]  # shortest first, like with like
+    assert batch.prefill_groups([100] * 5, 250) == [[0, 1], [2, 3], [4]]  # at most 250 padded tokens a forward
+    assert batch.prefill_groups([3000, 10], 2048) == [[1], [0]]  # a prompt past the budget goes alone
+    assert batch.prefill_groups([100] * 3, 0) == [[0], [1], [2]]
+    monkeypatch.setattr(batch, "PREFILL_PADDING", 2.0)
+    assert batch.prefill_groups([10, 31, 5], 2048) == [[2, 0], [1]]  # 2 x 10 <= 2 x 15; 3 x 31 > 2 x 46
+
+
 @pytest.mark.slow
 def test_a_single_slot_is_reused_request_after_request(tiny_target, references):
     requests = _decode(tiny_target, make_draft(tiny_target, True),

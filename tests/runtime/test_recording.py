@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from lyanna_train.data.features import FeatureExtractor
+from lyanna_train.runtime.scheduling import batch
 from lyanna_train.runtime.scheduling.scheduler import BatchDecoder
 from lyanna_train.runtime.verification.recording import unclosed
 from lyanna_train.runtime.settings import DecodeSettings, LookupSettings, SamplingParams, TreeShape
@@ -23,7 +24,9 @@ SPECULATE = DecodeSettings(TreeShape(4, 2, 2, 8), LookupSettings(4, pool_tokens=
 @pytest.mark.parametrize("max_batch", [1, 3])
 @pytest.mark.parametrize("mode", ["plain", "speculate", "speculate-sampled"])
 @pytest.mark.slow
-def test_recorded_features_equal_a_teacher_forced_forward(tiny_target, tiny_fitted, mode, max_batch):
+def test_recorded_features_equal_a_teacher_forced_forward(tiny_target, tiny_fitted, mode, max_batch, monkeypatch):
+    # rows admitted together are prefilled in one padded forward (prompts of 1 to 16 tokens)
+    monkeypatch.setattr(batch, "PREFILL_PADDING", 100.0)
     draft = None if mode == "plain" else tiny_fitted[True]
     settings = PLAIN if mode == "plain" else SPECULATE
     decoder = BatchDecoder(tiny_target, draft, settings, max_batch, eos_ids=(), layer_ids=LAYER_IDS,

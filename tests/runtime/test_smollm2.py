@@ -37,6 +37,7 @@ def test_lossless_on_smollm2_with_accepted_draft_tokens(smollm2_fitted):
     chain = DecodeSettings(TreeShape(4, 1, 1, 4), off, verify="all")  # draft nodes only, every one verified
     tree = DecodeSettings(TreeShape(3, 3, 3, 8), LookupSettings(5, pool_tokens=0))  # verify: auto
     steep = Costs(VerifyCost([1, 4, 8, 16], [1.0, 1.2, 2.0, 4.0]), DraftCost([1, 4], [0.1, 0.3]))  # widths vary
+    widths = set()
     try:
         for prompt, ref in zip(smollm2_fitted.prompts, smollm2_fitted.refs):
             out = generate(target, draft, prompt, len(ref), chain, eos_ids=())
@@ -45,7 +46,11 @@ def test_lossless_on_smollm2_with_accepted_draft_tokens(smollm2_fitted):
             drafted = sum(n - 1 for n in out.accept_lengths)  # draft tokens the target accepted
             assert drafted >= len(ref) // 2, out.accept_lengths  # most tokens came from the draft
             out = generate(target, draft, prompt, len(ref), tree, eos_ids=(), cost=steep)
-            assert out.tokens == ref and len(set(out.tree_sizes)) > 1, out.tree_sizes
+            assert out.tokens == ref
+            widths |= set(out.tree_sizes)
+        # over the two prompts the steep costs chose more than one width (a prompt whose draft
+        # accepts every node may keep one width throughout: the fit differs a little per CPU)
+        assert len(widths) > 1, widths
     finally:  # the fitted target is shared: later tests get torch's own linears back
         use_small_batch_linears(target, enabled=False)
         use_small_batch_linears(draft, enabled=False)

@@ -83,24 +83,67 @@ def next_token(logits: torch.Tensor, row: Row) -> int:
     return int(torch.multinomial(warp_probs(logits, params), 1, generator=row.generator))
 
 
-def prefill_row(batch: Batch, slot: int, row: Row) -> int:
-    """Fill slot ``slot`` with ``row``'s prompt (x_0..x_{P-1}) -> its first new token x_P."""
+# Most padded tokens per real prompt token in one prefill forward. On 2 CPU cores (SmolLM2,
+# fp32) 16 prompts of 100 tokens took 2.47 s in one forward against 3.19 s one by one (1.29x),
+# 4 of 400 tokens the same either way: padding past ~1/4 would cost more than it saves.
+PREFILL_PADDING = 1.25
+
+
+def prefill_groups(lengths: list[int], budget: int) -> list[list[int]]:
+    """Which of the rows admitted together are prefilled in one forward -> groups of their
+    indices. Shortest first, so a group's padding (every prompt is padded to its longest)
+    stays small: a row joins the group while the group's padded tokens stay within
+    ``budget`` and within ``PREFILL_PADDING`` times its real ones. ``budget`` 0: one row
+    per forward."""
+    groups: list[list[int]] = []
+    real = 0
+    for i in sorted(range(len(lengths)), key=lengths.__getitem__):
+        p = lengths[i]
+        if groups and (len(groups[-1]) + 1) * p <= min(budget, PREFILL_PADDING * (real + p)):
+            groups[-1].append(i)
+            real += p
+        else:
+            groups.append([i])
+            real = p
+    return groups
+
+
+def prefill_rows(batch: Batch, rows: slice) -> list[int]:
+    """Fill slots ``rows`` with their rows' prompts (x_0..x_{P-1}) in ONE forward -> each
+    row's first new token x_P.
+
+    Prompts of unlike lengths are padded at their ends: a prompt token reads only the tokens
+    before it (the mask is causal), so padding changes no real position, and the entries
+    it leaves in the cache lie past the row's length, where the next forward writes."""
     device = batch.target.device
-    prompt = row.context[:row.length].to(device)[None]
-    p = prompt.shape[1]
-    batch.cache.reset_row(slot)
-    offsets = batch.cache.begin(slice(slot, slot + 1), p)
+    members = batch.rows[rows]
+    lengths = [row.length for row in members]
+    width = max(lengths)
+    prompt = torch.zeros(len(members), width, dtype=torch.long, device=device)
+    for i, row in enumerate(members):
+        prompt[i, :row.length] = row.context[:row.length].to(device)
+    for slot in range(rows.start, rows.stop):
+        batch.cache.reset_row(slot)
+    offsets = batch.cache.begin(rows, width)
     recorder = batch.recorder
+    # a recording decoder keeps every prompt position's logits; otherwise only each row's last
+    last = None if recorder is not None else torch.tensor(lengths, device=device) - 1
     with recorder.watching() if recorder is not None else contextlib.nullcontext():
         logits, aux = ragged_forward(batch.target, batch.capture, batch.cache, prompt,
-                                     torch.arange(p, device=device)[None], chunk_mask(offsets, p, p),
-                                     logits_to_keep=0 if recorder is not None else 1)
-    if recorder is not None:  # every prompt position's features, from this one forward
-        recorder.keep(row.request, aux[0], recorder.last[0], logits[0])
-    batch.cache.advance(slot, p)
-    first = next_token(logits[0, -1], row)
+                                     torch.arange(width, device=device).expand(len(members), width),
+                                     chunk_mask(offsets, width, width), logits_at=last)
+    firsts = []
+    for i, (slot, row) in enumerate(zip(range(rows.start, rows.stop), members)):
+        p = row.length
+        if recorder is not None:  # every prompt position's features, from this one forward
+            recorder.keep(row.request, aux[i, :p], recorder.last[i, :p], logits[i, :p])
+        batch.cache.advance(slot, p)
+        firsts.append(next_token(logits[i, p - 1] if recorder is not None else logits[i, -1], row))
     if batch.draft is not None:  # the draft's step 0 over the prompt waits until the row first drafts
-        batch.draft_state.reset_row(slot)
-        following = torch.cat([prompt[:, 1:], torch.tensor([[first]], device=device)], dim=1)
-        batch.draft_state.defer(slice(slot, slot + 1), aux, following, [p])
-    return first
+        following = torch.cat([prompt[:, 1:], prompt.new_zeros(len(members), 1)], dim=1)
+        following[torch.arange(len(members), device=device), torch.tensor(lengths, device=device) - 1] = \
+            torch.tensor(firsts, device=device)
+        for slot in range(rows.start, rows.stop):
+            batch.draft_state.reset_row(slot)
+        batch.draft_state.defer(rows, aux, following, lengths)
+    return firsts

@@ -46,7 +46,7 @@ from ..verification.recording import FeatureRecorder, unclosed
 from ..verification.step import accept_rows, verify_rows
 from ..verification.target_step import check_target_masks, draft_capture
 from ..verification.tree import TokenTree
-from .batch import Batch, Row, prefill_row
+from .batch import Batch, Row, prefill_groups, prefill_rows
 from .ragged_cache import RaggedCache
 from .requests import Request, Status, check_request, cut, stop_ids
 
@@ -199,7 +199,11 @@ class BatchDecoder:
             yield from self.step(closed=True)
 
     def _admit(self, updates: list[Update]) -> None:
-        while self.waiting and len(self.rows) < self.max_batch:
+        """Take waiting requests into free slots; those admitted together are prefilled
+        together, in forwards of at most ``fusion.prefill_tokens`` padded tokens
+        (:func:`.batch.prefill_groups`)."""
+        admitted = []
+        while self.waiting and len(self.rows) + len(admitted) < self.max_batch:
             request = self.waiting.popleft()
             room = request.max_new_tokens  # memory sized by the context, never by the request's budget
             if self.batch.max_positions is not None:
@@ -208,16 +212,20 @@ class BatchDecoder:
             context[:len(request.prompt)] = torch.tensor(request.prompt)
             # the generator lives where the logits it samples from are (the target's device)
             generator = torch.Generator(self.batch.target.device).manual_seed(request.seed)
-            row = Row(request, context, len(request.prompt), generator,
-                      AcceptanceEstimates(getattr(self.batch.draft, "measured_acceptance", ())))
-            slot = len(self.rows)
-            self.rows.append(row)
-            request.status = Status.RUNNING
-            first = prefill_row(self.batch, slot, row)
-            row.append([first])
-            request.target_forwards = 1
-            request.first_token_at = time.perf_counter()
-            updates.append(self._deliver(slot, row, [first]))
+            admitted.append(Row(request, context, len(request.prompt), generator,
+                                AcceptanceEstimates(getattr(self.batch.draft, "measured_acceptance", ()))))
+        for group in prefill_groups([row.length for row in admitted], self.fusion.prefill_tokens):
+            start = len(self.rows)
+            self.rows.extend(admitted[i] for i in group)
+            for row in self.rows[start:]:
+                row.request.status = Status.RUNNING
+            firsts = prefill_rows(self.batch, slice(start, len(self.rows)))
+            for slot, first in zip(range(start, len(self.rows)), firsts):
+                row = self.rows[slot]
+                row.append([first])
+                row.request.target_forwards = 1
+                row.request.first_token_at = time.perf_counter()
+                updates.append(self._deliver(slot, row, [first]))
 
     def _verify(self, rows: slice, trees: list[TokenTree], updates: list[Update]) -> None:
         active = self.rows[rows]

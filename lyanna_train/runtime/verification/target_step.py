@@ -72,19 +72,44 @@ def _run(target, capture: LayerCapture | None, **inputs):
 
 
 def ragged_forward(target, capture: LayerCapture | None, cache, input_ids: torch.Tensor, position_ids: torch.Tensor,
-                   mask: torch.Tensor, logits_to_keep: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+                   mask: torch.Tensor, logits_at: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Rows of new tokens after a :class:`.ragged_cache.RaggedCache` (planned by its
     ``begin``): input_ids / position_ids [R, T], mask [R, 1, T, kv_length] bool (what each
-    token may read, :func:`.masks.ragged_mask`) -> (logits [R, T or logits_to_keep, V],
-    aux [R, T, k·H]). The mask reaches the model in the form its attention reads; rows of
-    unlike lengths are attended in runs, each over its own keys (:mod:`.grouped_attention`)."""
+    token may read, :func:`.masks.ragged_mask`) -> (logits [R, T, V], or [R, 1, V] at row r's
+    position ``logits_at[r]`` when given; aux [R, T, k·H]). The mask reaches the model in the
+    form its attention reads; rows of unlike lengths are attended in runs, each over its own
+    keys (:mod:`.grouped_attention`)."""
     keys = key_positions(cache.plan.offsets, position_ids, mask.shape[-1])
     mask = MaskForm.of(target).build(mask, position_ids, keys)
     width = input_ids.shape[1]
     groups = row_groups([n + width for n in cache.plan.lengths], width) if len(cache.plan.lengths) > 1 else None
-    with grouped(target, groups):
+    with grouped(target, groups), _logits_only_at(target, logits_at):
         return _run(target, capture, input_ids=input_ids, position_ids=position_ids, attention_mask=mask,
-                    use_cache=True, logits_to_keep=logits_to_keep, **{cache_kwarg(target): cache})
+                    use_cache=True, **{cache_kwarg(target): cache})
+
+
+@contextlib.contextmanager
+def _logits_only_at(target, positions: torch.Tensor | None):
+    """The LM head reads one position per row (``positions`` [R]; None: every position).
+
+    transformers' ``logits_to_keep`` keeps the same last columns of every row; rows padded
+    to one width end at different columns. The head's input is cut to each row's own
+    column before it runs, so whatever the model does to the head's output (Gemma2's
+    soft-capping, a logit scale) still applies, over [R, 1, V] instead of [R, T, V]."""
+    if positions is None:
+        yield
+        return
+
+    def pick(_head, args):
+        hidden = args[0]
+        return (hidden[torch.arange(hidden.shape[0], device=hidden.device), positions.to(hidden.device)][:, None],
+                *args[1:])
+
+    handle = target.get_output_embeddings().register_forward_pre_hook(pick)
+    try:
+        yield
+    finally:
+        handle.remove()
 
 
 def check_target_masks(target) -> None:
