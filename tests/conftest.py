@@ -205,20 +205,23 @@ def fit_draft(target, draft, sequences, steps: int, lr: float = 2e-3, threads: i
 
 
 def _fit(target, draft, sequences, steps: int, lr: float):
-    from lyanna_train.data.features import FeatureExtractor
+    from lyanna_train.data.features import FeatureExtractor, teacher_summary
     from lyanna_train.training.config import LossConf
     from lyanna_train.training.step import distill_loss
 
     extractor = FeatureExtractor(target, draft.cfg.aux_layer_ids)
+    lm_weight = target.get_output_embeddings().weight.detach()
     batches = []
     for full in sequences:
         ids = torch.tensor([full])
         feats = extractor(ids)
         ones = torch.ones_like(ids, dtype=torch.bool)
+        # the full-vocabulary summary once per sequence, as the feature cache keeps it: the
+        # loss then reads it instead of forming the whole LM head's logits every step
+        top1, lse = teacher_summary(feats.last[0].float(), lm_weight)
         batches.append({"aux": feats.aux.clone(), "last": feats.last.clone(), "input_ids": ids,
-                        "loss_mask": ones, "valid": ones})
+                        "loss_mask": ones, "valid": ones, "teacher_top1": top1[None], "teacher_lse": lse[None]})
     optimizer = torch.optim.AdamW([p for p in draft.parameters() if p.requires_grad], lr=lr)
-    lm_weight = target.get_output_embeddings().weight.detach()
     draft.train()
     for step in range(steps):
         loss, _ = distill_loss(draft, batches[step % len(batches)], lm_weight, LossConf(ttt_steps=3))
@@ -235,14 +238,36 @@ def once_per_run(tmp_path_factory, name: str, make):
     seconds that each worker would otherwise repeat."""
     from filelock import FileLock
 
-    shared = tmp_path_factory.getbasetemp()
-    if os.environ.get("PYTEST_XDIST_WORKER"):
-        shared = shared.parent  # one folder above every worker's own
-    saved = shared / f"{name}.pt"
+    saved = _run_folder(tmp_path_factory) / f"{name}.pt"
     with FileLock(str(saved) + ".lock"):
         if not saved.exists():
             torch.save(make(), saved)
         return torch.load(saved, weights_only=False)  # written by this run
+
+
+def folder_once_per_run(tmp_path_factory, name: str, build) -> Path:
+    """A folder ``build(folder)`` fills once per test run, shared by every pytest-xdist
+    worker like :func:`once_per_run` (for pipelines whose outputs are files: a trained run,
+    an export). Marked complete only once ``build`` returns, so a failed build is retried."""
+    from filelock import FileLock
+
+    folder = _run_folder(tmp_path_factory) / name
+    done = folder.with_name(name + ".done")
+    with FileLock(str(folder) + ".lock"):
+        if not done.exists():
+            if folder.exists():
+                import shutil
+
+                shutil.rmtree(folder)
+            folder.mkdir()
+            build(folder)
+            done.touch()
+    return folder
+
+
+def _run_folder(tmp_path_factory) -> Path:
+    shared = tmp_path_factory.getbasetemp()
+    return shared.parent if os.environ.get("PYTEST_XDIST_WORKER") else shared  # one folder above every worker's own
 
 
 @pytest.fixture(scope="session")

@@ -78,13 +78,16 @@ def _reference(target, prompts) -> list[list[int]]:
                                 do_sample=False)[0, len(p):].tolist() for p in prompts]
 
 
-_EXPORTS: dict = {}
+def _export(kind: str, tokenizer, tmp_path_factory):
+    """The pipeline for one architecture, run once per test run and shared by its eager and
+    SDPA cases, whichever pytest-xdist workers they land on."""
+    from ..conftest import folder_once_per_run
+
+    root = folder_once_per_run(tmp_path_factory, f"architecture-{kind}", lambda root: _pipeline(kind, tokenizer, root))
+    return root / "target", root / "export", _prompts(tokenizer)
 
 
-def _export(kind: str, tokenizer, root):
-    """The pipeline for one architecture, run once and shared by its eager and SDPA cases."""
-    if kind in _EXPORTS:
-        return _EXPORTS[kind]
+def _pipeline(kind: str, tokenizer, root) -> None:
     from lyanna_train.cli.plan import compose
     from lyanna_train.export.writer import export_checkpoint
     from lyanna_train.hotvocab.build import build
@@ -109,8 +112,6 @@ def _export(kind: str, tokenizer, root):
                    "train.log_every=100", "train.save_every=1000", "train.threads=1", "eval.every=0",
                    "eval.num_prompts=0", "tracking.wandb.enabled=false"]))
     export_checkpoint(root / "run", root / "export", say=lambda *_: None)
-    _EXPORTS[kind] = (target_dir, root / "export", prompts)
-    return _EXPORTS[kind]
 
 
 @pytest.mark.parametrize("kind,impl", list(_cases()))
@@ -123,7 +124,7 @@ def test_the_pipeline_decodes_losslessly_with_accepted_drafts(kind, impl, smollm
     from lyanna_train.runtime.settings import load_decode_settings
     from lyanna_train.target.model import load_target_model
 
-    target_dir, export, prompts = _export(kind, smollm2_tokenizer, tmp_path_factory.mktemp(kind))
+    target_dir, export, prompts = _export(kind, smollm2_tokenizer, tmp_path_factory)
     target = load_target_model(target_dir, attn_implementation=impl)
     assert target.config._attn_implementation == impl
     draft = load_exported(export, target, smollm2_tokenizer)[0]
