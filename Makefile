@@ -47,12 +47,12 @@ demo: install
 # from ~14 to ~8 minutes, since most tests keep one core busy. TEST_WORKERS=0 runs it in one process.
 TEST_WORKERS ?= 2
 test: install
-	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup tests
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) tests
 
 # The fast tier (unit tests and tiny models: every test that takes under ~0.6 s on 2 cores,
 # about 50 s in all); `make test` runs everything.
 test-fast: install
-	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup -m "not slow" tests
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) -m "not slow" tests
 
 # Every GPU-only check in one run (< 8 min on one GPU), one table at the end. Needs an
 # interpreter whose torch has CUDA: GPU_PYTHON=/path/to/python make gpu-check

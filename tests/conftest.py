@@ -231,20 +231,6 @@ def _fit(target, draft, sequences, steps: int, lr: float):
     return draft.eval()
 
 
-SHARED_FITS = ("smollm2_fitted", "tiny_fitted")  # fixtures fitted once per run (:func:`once_per_run`)
-
-
-def pytest_collection_modifyitems(items):
-    """Under ``--dist loadgroup`` (``make test``), the tests that need one of the fits shared
-    through :func:`once_per_run` run on one pytest-xdist worker: a second worker reaching the
-    fit while the first computes it would wait on its lock, idle (~25 s for the SmolLM2 fit
-    on 2 cores)."""
-    for item in items:
-        shared = [f for f in SHARED_FITS if f in getattr(item, "fixturenames", ())]
-        if shared and not item.get_closest_marker("xdist_group"):
-            item.add_marker(pytest.mark.xdist_group(shared[0]))
-
-
 def once_per_run(tmp_path_factory, name: str, make):
     """``make()`` (a dict of tensors and plain values) computed once per test run: the first
     pytest-xdist worker to need it saves it beside the workers' temp folders, the others

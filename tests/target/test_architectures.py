@@ -52,9 +52,7 @@ def _cases():
         for impl in ("eager", "sdpa"):
             if impl == "sdpa" and kind in NO_SDPA:
                 continue
-            # one kind's cases on one pytest-xdist worker (make test: --dist loadgroup), the
-            # first building the pipeline the other reads, none waiting on another's build
-            marks = (pytest.mark.xdist_group(f"architecture-{kind}"),) + (() if kind in FAST else (pytest.mark.slow,))
+            marks = () if kind in FAST else (pytest.mark.slow,)
             yield pytest.param(kind, impl, id=f"{kind}-{impl}", marks=marks)
 
 
