@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -236,38 +237,27 @@ def once_per_run(tmp_path_factory, name: str, make):
     pytest-xdist worker to need it saves it beside the workers' temp folders, the others
     (waiting on its lock meanwhile) load it. For deterministic, seeded fits of several
     seconds that each worker would otherwise repeat."""
-    from filelock import FileLock
-
-    saved = _run_folder(tmp_path_factory) / f"{name}.pt"
-    with FileLock(str(saved) + ".lock"):
-        if not saved.exists():
-            torch.save(make(), saved)
-        return torch.load(saved, weights_only=False)  # written by this run
+    folder = folder_once_per_run(tmp_path_factory, name, lambda out: torch.save(make(), out / "value.pt"))
+    return torch.load(folder / "value.pt", weights_only=False)  # written by this run
 
 
 def folder_once_per_run(tmp_path_factory, name: str, build) -> Path:
     """A folder ``build(folder)`` fills once per test run, shared by every pytest-xdist
-    worker like :func:`once_per_run` (for pipelines whose outputs are files: a trained run,
-    an export). Marked complete only once ``build`` returns, so a failed build is retried."""
+    worker (it lies one level above their own temp folders; the others wait on its lock
+    meanwhile): for pipelines whose outputs are files (a trained run, an export). Marked
+    complete only once ``build`` returns, so a failed build is retried."""
     from filelock import FileLock
 
-    folder = _run_folder(tmp_path_factory) / name
+    base = tmp_path_factory.getbasetemp()
+    folder = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / name
     done = folder.with_name(name + ".done")
     with FileLock(str(folder) + ".lock"):
         if not done.exists():
-            if folder.exists():
-                import shutil
-
-                shutil.rmtree(folder)
+            shutil.rmtree(folder, ignore_errors=True)
             folder.mkdir()
             build(folder)
             done.touch()
     return folder
-
-
-def _run_folder(tmp_path_factory) -> Path:
-    shared = tmp_path_factory.getbasetemp()
-    return shared.parent if os.environ.get("PYTEST_XDIST_WORKER") else shared  # one folder above every worker's own
 
 
 @pytest.fixture(scope="session")
