@@ -81,10 +81,13 @@ class FusionSettings:
     # requests admitted in one step are prefilled together, in forwards of at most this many
     # (padded) prompt tokens; 0: one forward per request
     prefill_tokens: int = 2048
+    # a freed slot waits up to this many iterations for a running row that will reach its
+    # token budget by then, so that their next requests share one prefill; 0: admit at once
+    admit_wait: int = 4
 
     def __post_init__(self):
-        if self.micro_batches < 1 or self.prefill_tokens < 0:
-            raise ValueError(f"need micro_batches >= 1 and prefill_tokens >= 0, got {self}")
+        if self.micro_batches < 1 or self.prefill_tokens < 0 or self.admit_wait < 0:
+            raise ValueError(f"need micro_batches >= 1, prefill_tokens >= 0 and admit_wait >= 0, got {self}")
 
 
 @dataclass(frozen=True)

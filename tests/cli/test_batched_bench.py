@@ -50,7 +50,7 @@ def test_batched_bench_measures_every_method_at_every_size(tmp_path, export_dir,
             assert s["new_tokens"] == 8 * s["requests"]  # eos_token_id None: every request runs to its budget
             assert 0 < s["latency_p50"] <= s["latency_p95"] <= s["wall_time"] + 1e-6
             assert s["tau"] >= 1.0 and s["cpu_time"] > 0
-    assert summary["decode"]["fusion"] == {"micro_batches": 1, "shallow_first": False, "prefill_tokens": 2048}
+    assert summary["decode"]["fusion"] == {"micro_batches": 1, "shallow_first": False, "prefill_tokens": 2048, "admit_wait": 4}
 
 
 @pytest.mark.parametrize("flags, message", [

@@ -185,6 +185,36 @@ def test_requests_admitted_together_are_prefilled_in_one_padded_forward(tiny_tar
     assert accepted[2048] == accepted[0] and sum(a - 1 for r in accepted[0] for a in r) > 20
 
 
+@pytest.mark.parametrize("wait", [2, 0])
+def test_a_freed_slot_waits_for_a_row_about_to_finish_so_their_next_requests_share_a_prefill(
+        tiny_target, monkeypatch, wait):
+    """Two rows of 5 and 6 tokens decode plainly, two requests wait. When the first row
+    finishes, the second has 1 token left: with ``admit_wait`` 2 the freed slot waits one
+    iteration and both waiting requests are prefilled in ONE forward; with 0 each is
+    prefilled alone as its slot frees. Every row is the target's own either way."""
+    from lyanna_train.runtime.scheduling import batch, scheduler
+
+    monkeypatch.setattr(batch, "PREFILL_PADDING", 100.0)  # these short prompts differ by far more than a CPU pads
+    prefills = []
+
+    def counted(batch, rows):
+        prefills.append(rows.stop - rows.start)
+        return prefill_rows(batch, rows)
+
+    prefill_rows = scheduler.prefill_rows
+    monkeypatch.setattr(scheduler, "prefill_rows", counted)
+    settings = DecodeSettings(SHAPES["plain"], NO_LOOKUP, verify="all", fusion=FusionSettings(admit_wait=wait))
+    decoder = BatchDecoder(tiny_target, None, settings, max_batch=2, eos_ids=(), layer_ids=LAYER_IDS)
+    budgets = [5, 6, 4, 4]
+    requests = [decoder.submit(p, n) for p, n in zip(PROMPTS, budgets)]
+    for _ in decoder.run():
+        pass
+    assert prefills == ([2, 2] if wait else [2, 1, 1])
+    assert [r.tokens for r in requests] == [greedy_reference(tiny_target, p, n) for p, n in zip(PROMPTS, budgets)]
+    with pytest.raises(ValueError, match="admit_wait"):
+        FusionSettings(admit_wait=-1)
+
+
 def test_prefill_groups_pad_little_and_keep_to_the_budget(monkeypatch):
     from lyanna_train.runtime.scheduling import batch
 

@@ -236,9 +236,10 @@ def test_a_plain_iteration_is_measured_when_the_policy_stopped_choosing_one(tiny
 def test_speculation_that_delivered_less_than_plain_decoding_is_held_with_retries():
     """The model may be wrong; what iterations delivered decides. At a row count where the
     last speculative iterations delivered fewer tokens/s than plain ones (a catch-up
-    charged over its horizon), iterations are plain but one in RETRY_EVERY; where they
-    delivered more, the policy chooses freely; a row count with too few measured takes
-    the nearest one's."""
+    charged over its horizon), iterations are plain but for retries: the first after
+    RETRY_EVERY, each next one after twice as many while speculation stays behind (up to
+    RETRY_EVERY_MOST); where it delivered more, the policy chooses freely and the retries'
+    pace starts again; a row count with too few measured takes the nearest one's."""
     costs = MeasuredCosts(Costs(CPU_LIKE, DraftCost([1, 16], [3.0, 8.0])))
     for _ in range(2):
         costs.observe_iteration(16, 1, 0, seconds=0.050, draft_seconds=0.0, tokens=16)  # 320 tokens/s
@@ -247,11 +248,21 @@ def test_speculation_that_delivered_less_than_plain_decoding_is_held_with_retrie
     assert not costs.speculation_lost(16) and not costs.plain_due(16)  # three are too few to judge
     costs.observe_iteration(16, 2, 16, seconds=0.070, draft_seconds=0.010, tokens=20)
     assert costs.speculation_lost(16) and costs.speculation_lost(12)  # 12 rows: 16's verdict, the nearest
-    due = [costs.plain_due(16) for _ in range(2 * cost_module.RETRY_EVERY)]
-    assert due == ([True] * (cost_module.RETRY_EVERY - 1) + [False]) * 2
+    every, most = cost_module.RETRY_EVERY, cost_module.RETRY_EVERY_MOST
+    paces = [min(every << k, most) for k in range((most // every).bit_length() + 1)]  # 8, 16, ..., 128, 128
+    due = [costs.plain_due(16) for _ in range(sum(paces))]
+    retries = [i + 1 for i, held in enumerate(due) if not held]
+    assert [b - a for a, b in zip([0] + retries, retries)] == paces
+    assert costs.speculation_lost(12) and [costs.plain_due(12) for _ in range(every)][-1] is False  # its own pace
     for _ in range(cost_module.RATE_WINDOW):  # speculation now delivers 400 tokens/s: the last window's verdict
         costs.observe_iteration(16, 2, 16, seconds=0.050, draft_seconds=0.010, tokens=20)
     assert not costs.speculation_lost(16) and not costs.plain_due(16)
+    for _ in range(cost_module.RATE_WINDOW):  # behind again: the retries start at their first pace
+        costs.observe_iteration(16, 2, 16, seconds=0.070, draft_seconds=0.010, tokens=20)
+    due = [costs.plain_due(16) for _ in range(every)]
+    assert due == [True] * (every - 1) + [False]
+    for _ in range(cost_module.RATE_WINDOW):
+        costs.observe_iteration(16, 2, 16, seconds=0.050, draft_seconds=0.010, tokens=20)
     for _ in range(cost_module.RATE_WINDOW):  # as fast, but after a catch-up of 0.24 s each: 0.03 s more each
         costs.observe_iteration(16, 2, 16, seconds=0.050, draft_seconds=0.010, tokens=20, catch_up=0.24)
     assert costs.speculation_lost(16)

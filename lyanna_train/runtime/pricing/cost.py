@@ -133,7 +133,8 @@ CLIP = 3.0  # the most one iteration's measurement moves a cost's scale towards,
 PROBE_EVERY = 32  # iterations after which a plain one is due if none was measured since
 CATCH_UP_HORIZON = 8  # iterations a row's catch-up (its waiting anchors' step 0) is paid back over
 RATE_WINDOW = 8  # the last iterations of each kind, per row count, whose delivered tokens/s are compared
-RETRY_EVERY = 8  # iterations at a row count where speculation delivered less than plain decoding, per retry
+RETRY_EVERY = 8  # iterations at a row count where speculation delivered less than plain decoding, per retry ...
+RETRY_EVERY_MOST = 128  # ... doubling after each retry that leaves it behind, up to this many
 QUIET_AFTER = 8  # plain iterations the policy chose in a row, after which it is consulted only ...
 CONSULT_EVERY = 4  # ... one iteration in this many, until it speculates again
 
@@ -162,7 +163,10 @@ class MeasuredCosts:
     less than plain decoding, iterations are plain, but for one in ``RETRY_EVERY`` that
     the policy chooses freely (:meth:`plain_due`): at 16 rows on 2 CPU cores the model,
     with acceptance predicted within 3 %, still chose iterations that delivered 0.8x plain
-    decoding's tokens/s.
+    decoding's tokens/s. Each retry after which speculation is still behind doubles the
+    wait before the next (up to ``RETRY_EVERY_MOST``): at a row count where it never pays,
+    retries at a fixed one in eight were ~10-20 % of a 16-client server's iterations, each
+    ~9 % slower than a plain one.
 
     Consulting the policy costs too: every row's free candidates and its choice took
     ~3.6 ms of a ~60 ms iteration at 16 rows. After ``QUIET_AFTER`` iterations in a row
@@ -178,6 +182,7 @@ class MeasuredCosts:
         self.anchor = tuned.anchor  # a catch-up's seconds per anchor, measured as catch-ups happen
         self.delivered: dict[tuple[bool, int], deque] = {}  # (speculative, rows) -> recent (tokens, seconds)
         self.held: dict[int, int] = {}  # rows -> iterations held plain since speculation lost there
+        self.retry_every: dict[int, int] = {}  # rows -> iterations held per retry there (doubling)
         self.chose_plain = 0  # iterations in a row in which the policy, consulted, chose plain decoding
         self.quiet = 0  # iterations since the policy went quiet
         self._forced = False  # whether the current iteration was made plain without the policy
@@ -219,9 +224,15 @@ class MeasuredCosts:
         if self.since_plain >= PROBE_EVERY:
             return True
         if self.speculation_lost(rows):
+            every = self.retry_every.get(rows, RETRY_EVERY)
             self.held[rows] = self.held.get(rows, 0) + 1
-            return self.held[rows] % RETRY_EVERY != 0
+            if self.held[rows] < every:
+                return True
+            self.held[rows] = 0  # a retry; if speculation is still behind after it, the next waits longer
+            self.retry_every[rows] = min(2 * every, RETRY_EVERY_MOST)
+            return False
         self.held.pop(rows, None)
+        self.retry_every.pop(rows, None)
         if self.chose_plain >= QUIET_AFTER:
             self.quiet += 1
             return self.quiet % CONSULT_EVERY != 0
