@@ -165,8 +165,8 @@ class MeasuredCosts:
     with acceptance predicted within 3 %, still chose iterations that delivered 0.8x plain
     decoding's tokens/s. Each retry after which speculation is still behind doubles the
     wait before the next (up to ``RETRY_EVERY_MOST``): at a row count where it never pays,
-    retries at a fixed one in eight were ~10-20 % of a 16-client server's iterations, each
-    ~9 % slower than a plain one.
+    retries at a fixed one in eight were 10-26 % of a 16-client server's iterations, up to
+    ~9 % slower than a plain one each.
 
     Consulting the policy costs too: every row's free candidates and its choice took
     ~3.6 ms of a ~60 ms iteration at 16 rows. After ``QUIET_AFTER`` iterations in a row

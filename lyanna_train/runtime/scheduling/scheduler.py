@@ -237,7 +237,7 @@ class BatchDecoder:
         and on a CPU a forward's fixed cost outweighs a few idle row-iterations. Rows that
         speculate finish apart, so a server's freed slots were refilled one prompt at a time:
         16 closed-loop clients x 48 MT-Bench prompts x 64 tokens on 2 CPU cores took 21-26
-        prefill forwards at once, 11-12 waiting up to 4 iterations, and ~4 % less time."""
+        prefill forwards at once, 11-13 waiting up to 4 iterations, and ~4 % less time."""
         free = self.max_batch - len(self.rows)
         wait = self.fusion.admit_wait - self._waited
         if wait > 0 and free > 0 and self.waiting and any(
