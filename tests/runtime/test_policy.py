@@ -13,7 +13,7 @@ from lyanna_train.runtime.drafting import propose
 from lyanna_train.runtime.pricing import cost as cost_module
 from lyanna_train.runtime.pricing.cost import Costs, DraftCost, MeasuredCosts, VerifyCost
 from lyanna_train.runtime.pricing.estimates import AcceptanceEstimates
-from lyanna_train.runtime.pricing.policy import choose_drafting, drain_weights, fit_trees
+from lyanna_train.runtime.pricing.policy import Drain, choose_drafting, fit_trees
 from lyanna_train.runtime.verification.tree import TokenTree
 from lyanna_train.runtime.scheduling.scheduler import BatchDecoder
 from lyanna_train.runtime.settings import DecodeSettings, LookupSettings, TreeShape
@@ -236,7 +236,7 @@ def test_a_plain_iteration_is_measured_when_the_policy_stopped_choosing_one(tiny
 def test_speculation_that_delivered_less_than_plain_decoding_is_held_with_retries():
     """The model may be wrong; what iterations delivered decides. At a row count where the
     last speculative iterations delivered fewer tokens/s than plain ones (a catch-up
-    charged over its horizon), iterations are plain but for retries: the first after
+    charged whole: the drafting it deferred), iterations are plain but for retries: the first after
     RETRY_EVERY, each next one after twice as many while speculation stays behind (up to
     RETRY_EVERY_MOST); where it delivered more, the policy chooses freely and the retries'
     pace starts again; a row count with too few measured takes the nearest one's."""
@@ -263,8 +263,8 @@ def test_speculation_that_delivered_less_than_plain_decoding_is_held_with_retrie
     assert due == [True] * (every - 1) + [False]
     for _ in range(cost_module.RATE_WINDOW):
         costs.observe_iteration(16, 2, 16, seconds=0.050, draft_seconds=0.010, tokens=20)
-    for _ in range(cost_module.RATE_WINDOW):  # as fast, but after a catch-up of 0.24 s each: 0.03 s more each
-        costs.observe_iteration(16, 2, 16, seconds=0.050, draft_seconds=0.010, tokens=20, catch_up=0.24)
+    for _ in range(cost_module.RATE_WINDOW):  # as fast, but after a catch-up of 0.02 s each: 286 tokens/s
+        costs.observe_iteration(16, 2, 16, seconds=0.050, draft_seconds=0.010, tokens=20, catch_up=0.02)
     assert costs.speculation_lost(16)
 
 
@@ -304,35 +304,44 @@ def test_a_row_held_plain_by_what_speculation_delivered_is_lossless_and_retried(
     assert request.tree_sizes[:held] == [1] * held and request.tree_sizes[held] > 1
 
 
-def test_a_draining_batch_speculates_for_the_rows_behind():
-    """Nothing waits: a token of a row with 2 tokens left is worth an eighth of one with 16
-    left. Where every row drafts at equal worth, the rows ahead stop drafting and the row
-    behind still does; a verify width that only the rows ahead would fill is not paid for."""
-    assert drain_weights([16, 4, 16, 0]) == [1.0, 0.25, 1.0, 1 / 16]
-    assert drain_weights([]) == []
+def test_a_draining_batch_values_an_iteration_by_the_time_it_takes_off_the_last_rows():
+    """Nothing waits: the batch's time left is the plain iterations its rows still need, the
+    k rows with most left running at plain(k) each. A plain iteration takes off one
+    iteration of the rows still running; tokens for a row ahead take off only what its slot
+    adds to the rows behind; tokens for one of two rows tied behind take off nothing more."""
+    drain = Drain([16, 4, 16, 0], plain=lambda k: 10.0 + k)
+    saved = lambda *e: float(drain.saved(torch.tensor(e, dtype=torch.float64)))
+    assert saved(1, 1, 1, 1) == pytest.approx(13.0)  # plain(3): three rows still run
+    assert saved(1, 3, 1, 0) == pytest.approx(13.0 + 2 * (13.0 - 12.0))  # the row ahead: its slot's cost
+    assert saved(3, 1, 1, 0) == pytest.approx(13.0 + 2 * (12.0 - 11.0))  # one of two tied: still one behind
+    assert saved(3, 1, 3, 0) == pytest.approx(13.0 + 2 * 12.0)  # both behind: two iterations of plain(2)
+    assert saved(1, 9, 1, 0) == saved(1, 5, 1, 0)  # nothing past a row's budget
+    one = Drain([40], plain=lambda k: 20.0)  # one row: its tokens (up to its budget) at plain(1) each
+    assert float(one.saved(torch.tensor([2.5], dtype=torch.float64))) == pytest.approx(50.0)
+    assert choose_drafting([[]], [[[0.9, 0.8]]], Costs(CPU_LIKE, DraftCost([1, 4], [2.0, 14.0])), left=[40]) \
+        == choose_drafting([[]], [[[0.9, 0.8]]], Costs(CPU_LIKE, DraftCost([1, 4], [2.0, 14.0])))
     costs = Costs(CPU_LIKE, DraftCost([1, 4], [2.0, 14.0]))
     head = [[[0.9, 0.8]]] * 4
     assert choose_drafting([[]] * 4, head, costs) == [True] * 4
-    assert choose_drafting([[]] * 4, head, costs, weights=drain_weights([16, 2, 2, 2])) == [True, False, False, False]
+    assert choose_drafting([[]] * 4, head, costs, left=[16, 2, 2, 2]) == [True, False, False, False]
     cheap_second = Costs(VerifyCost([1, 4, 8], [20.0, 20.0, 26.0]), DraftCost.free())
     trees = [TokenTree.rooted_at(1) for _ in range(4)]
     for tree in trees[1:]:  # the row behind (0) got no candidate
         tree.add(0, 2, 0.5)
     assert [len(t) for t in fit_trees(trees, [None] * 4, cheap_second, drafted=True)] == [1, 2, 2, 2]
-    worth = drain_weights([16, 1, 1, 1])
-    assert [len(t) for t in fit_trees(trees, [None] * 4, cheap_second, drafted=True, weights=worth)] == [1] * 4
+    assert [len(t) for t in fit_trees(trees, [None] * 4, cheap_second, drafted=True, left=[16, 1, 1, 1])] == [1] * 4
 
 
-def test_a_draining_batch_weighs_its_rows_by_tokens_left_and_stays_lossless(tiny_target, tiny_fitted, monkeypatch):
+def test_a_draining_batch_prices_by_tokens_left_and_stays_lossless(tiny_target, tiny_fitted, monkeypatch):
     """While requests wait every row's token is worth the same; once none wait and none will
-    come (``run``), each row's worth is its tokens left over the most any row has left; a
-    server's steps never drain. Greedy output stays the target's own."""
+    come (``run``), the policy is given each row's tokens left; a server's steps never drain.
+    Greedy output stays the target's own."""
     seen = []
     choose = propose.choose_drafting
 
-    def spy(*args, weights=None, **kwargs):
-        seen.append(None if weights is None else list(weights))
-        return choose(*args, weights=weights, **kwargs)
+    def spy(*args, left=None, **kwargs):
+        seen.append(None if left is None else list(left))
+        return choose(*args, left=left, **kwargs)
 
     monkeypatch.setattr(propose, "choose_drafting", spy)
     cheap = Costs(VerifyCost([1, 64], [10.0, 10.0]), DraftCost([1, 16], [0.001, 0.001]))
@@ -345,16 +354,16 @@ def test_a_draining_batch_weighs_its_rows_by_tokens_left_and_stays_lossless(tiny
     for request, prompt, n in zip(requests, PROMPTS, budgets):
         assert request.tokens == greedy_reference(tiny_target, prompt, n)
     assert seen[0] is None  # the third request waited
-    draining = [w for w in seen if w is not None]
-    assert draining and all(max(w) == 1.0 for w in draining)
-    assert any(len(w) == 2 and min(w) < 1.0 for w in draining)
+    draining = [left for left in seen if left is not None]
+    assert draining and all(0 <= n <= 24 for left in draining for n in left)
+    assert any(len(left) == 2 and left[0] != left[1] for left in draining)
     seen.clear()  # a server's steps: more requests may come, so a batch never drains
     served = BatchDecoder(tiny_target, tiny_fitted[True], settings, 2, cost=cheap, eos_ids=(), layer_ids=LAYER_IDS)
     requests = [served.submit(p, n) for p, n in zip(PROMPTS[:2], budgets[:2])]
     while not served.idle:
         served.step()
     assert requests[1].tokens == greedy_reference(tiny_target, PROMPTS[1], budgets[1])
-    assert seen and all(w is None for w in seen)
+    assert seen and all(left is None for left in seen)
 
 
 def test_warm_up_decodes_a_full_batch_then_forgets_what_it_measured(tiny_target, tiny_fitted):

@@ -94,7 +94,7 @@ def propose_rows(batch, rows: slice) -> list[TokenTree]:
             waiting = [batch.draft_state.waiting(slot) for slot in range(rows.start, rows.stop)]
             drafting = choose_drafting([[p for c in f for p in c.probs] for f in frees], head,
                                        batch.costs, limit=batch.width_limit, margin=settings.margin, behind=waiting,
-                                       weights=batch.weights[rows] if batch.weights is not None else None)
+                                       left=batch.left[rows] if batch.left is not None else None)
     if any(drafting):
         begin = time.perf_counter()
         first = drafting.index(True)

@@ -21,6 +21,8 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
+import torch
+
 
 class VerifyCost:
     """Seconds of one target forward over N new tokens, interpolated between measured sizes."""
@@ -59,7 +61,7 @@ def best_count(probs: Sequence[float], cost: VerifyCost) -> int:
 
 
 def best_width(rows: Sequence[Sequence[float]], cost: Callable[[int], float], limit: int | None = None,
-               margin: float = 0.0, plain: float | None = None, weights: Sequence[float] | None = None) -> int:
+               margin: float = 0.0, plain: float | None = None, drain=None) -> int:
     """Each row's candidate probabilities (in the order they would be verified) -> W, the
     tokens per row of ONE fused verify forward over all rows (the root included).
 
@@ -72,18 +74,20 @@ def best_width(rows: Sequence[Sequence[float]], cost: Callable[[int], float], li
     :func:`best_count` + 1. ``limit`` caps W; a width past 1 must beat plain decoding by
     ``margin`` (the measured costs' error). ``plain``: the seconds of W = 1 where a plain
     iteration is priced apart (:meth:`MeasuredCosts.plain`); default ``cost(rows)``.
-    ``weights``: what a token of each row is worth (None: 1 each)."""
-    worth = list(weights) if weights is not None else [1.0] * len(rows)
+    ``drain``: a draining batch's :class:`..policy.Drain`: a width is worth the seconds its
+    expected tokens take off the batch's remaining time, not their count."""
     most = max((len(p) for p in rows), default=0) + 1
     most = min(most, limit) if limit else most
     prefix = [[0.0] for _ in rows]
     for sums, probs in zip(prefix, rows):
         for p in probs[:most - 1]:
             sums.append(sums[-1] + p)
-    best, best_rate = 1, sum(worth) / (cost(len(rows)) if plain is None else plain) * (1 + margin)
+    expected = [[1 + sums[min(width - 1, len(sums) - 1)] for sums in prefix] for width in range(1, most + 1)]
+    worth = [sum(row) for row in expected] if drain is None else \
+        drain.saved(torch.tensor(expected, dtype=torch.float64)).tolist()  # per width
+    best, best_rate = 1, worth[0] / (cost(len(rows)) if plain is None else plain) * (1 + margin)
     for width in range(2, most + 1):
-        expected = sum(w * (1 + sums[min(width - 1, len(sums) - 1)]) for w, sums in zip(worth, prefix))
-        rate = expected / cost(len(rows) * width)
+        rate = worth[width - 1] / cost(len(rows) * width)
         if rate > best_rate:
             best, best_rate = width, rate
     return best
@@ -158,8 +162,12 @@ class MeasuredCosts:
     keep speculation on.
 
     The costs are a model; what iterations deliver is the verdict. Each row count keeps
-    the tokens/s its last ``RATE_WINDOW`` plain and speculative iterations delivered
-    (a catch-up charged over ``CATCH_UP_HORIZON`` iterations). Where speculation delivered
+    the tokens/s its last ``RATE_WINDOW`` plain and speculative iterations delivered, a
+    catch-up charged whole to the iteration it precedes: it is the drafting a row deferred
+    while it decoded plainly, paid because speculation resumed (16 rows of a closed batch
+    on 2 CPU cores, retried now and then, caught up ~0.25 s in ~9.5 s; charged over
+    ``CATCH_UP_HORIZON`` iterations, it made speculation read 150 tokens/s against plain
+    decoding's 146 and kept it on). Where speculation delivered
     less than plain decoding, iterations are plain, but for one in ``RETRY_EVERY`` that
     the policy chooses freely (:meth:`plain_due`): at 16 rows on 2 CPU cores the model,
     with acceptance predicted within 3 %, still chose iterations that delivered 0.8x plain
@@ -268,7 +276,7 @@ class MeasuredCosts:
         self._forced = False
         if tokens is not None:
             runs = self.delivered.setdefault((not plain, rows), deque(maxlen=RATE_WINDOW))
-            runs.append((tokens, seconds + catch_up / CATCH_UP_HORIZON))
+            runs.append((tokens, seconds + catch_up))
         scales = self.plain_scales if plain else self.verify_scales
         tuned = self.tuned.verify(rows * width)
         if rows in scales:

@@ -21,21 +21,20 @@ head could return, nobody drafts.
 
 **Draining.** While requests wait, or more may come (a server), a freed slot takes the
 next one at once, so every accepted token is worth the same. Once none wait and none will
-come (:meth:`..scheduling.scheduler.BatchDecoder.run`), the batch only shrinks: its time left
-is set by the row with the most tokens left, and a row that runs ahead only leaves its
-slot idle sooner while the last rows still pay for whole iterations. Each row's tokens
-then count in proportion to its tokens left (:func:`drain_weights`): the rows behind
-speculate, the ones ahead decode plainly instead of running further ahead (with 16 rows of
-64 tokens on 2 CPU cores, a batch that sped every row alike spent its last ~10% of the
-time on iterations of a few rows; the fused verify pads every row to one width, so rows
-still finish apart).
+come (:meth:`..scheduling.scheduler.BatchDecoder.run`), the batch only shrinks and what
+counts is when its last row ends: an iteration is worth the seconds it takes off the
+batch's remaining time (:class:`Drain`), and a token of a row far ahead is worth only
+what its slot adds to the iterations the rows behind still need. (With 16 rows of 64
+tokens on 2 CPU cores, speculation delivered more tokens per second than plain decoding,
+yet the batch took longer: its rows finished apart, the last one later than every row of
+plain decoding, which advances all rows alike.)
 """
 
 from __future__ import annotations
 
 import heapq
 from itertools import accumulate
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -49,16 +48,38 @@ def _prefix(probs: Sequence[float], most: int) -> list[float]:
     return sums + [sums[-1]] * (most + 1 - len(sums))
 
 
-def drain_weights(left: Sequence[int]) -> list[float]:
-    """Each row's tokens left -> what one of its tokens is worth to a draining batch (the
-    rows with the most left: 1)."""
-    most = max(left, default=0)
-    return [max(n, 1) / most if most > 0 else 1.0 for n in left]
+class Drain:
+    """The seconds an iteration takes off a draining batch's remaining time.
+
+    With every row's tokens left sorted, L_1 >= L_2 >= ... >= L_R, a batch that decoded
+    plainly from here would run the k rows with the most left for L_k - L_(k+1)
+    iterations of ``plain(k)`` seconds each. An iteration that delivers e_r tokens to each
+    row r is worth what it takes off that estimate. A plain iteration takes off
+    plain(R), one iteration of the whole batch. Tokens for the rows ahead take off only
+    what their slots add to the iterations the rows behind still need, plain(k) -
+    plain(k - 1), a few ms of a ~20 ms forward on a CPU. The row with the most left takes
+    off a whole plain(1) per token. With one row, this is its tokens (up to its budget)
+    times plain(1), so the choice is the same as a non-draining batch's."""
+
+    def __init__(self, left: Sequence[int], plain: Callable[[int], float]):
+        self.left = torch.tensor(list(left), dtype=torch.float64)
+        self.step = torch.tensor([plain(k) for k in range(1, len(left) + 1)], dtype=torch.float64)
+        self.now = self._seconds(self.left)
+
+    def _seconds(self, left: torch.Tensor) -> torch.Tensor:
+        """[..., R] tokens left -> [...] seconds of plain iterations to finish them all."""
+        rest = left.clamp(min=0).sort(dim=-1, descending=True).values
+        below = torch.cat([rest[..., 1:], torch.zeros_like(rest[..., :1])], dim=-1)
+        return ((rest - below) * self.step).sum(dim=-1)
+
+    def saved(self, expected: torch.Tensor) -> torch.Tensor:
+        """[..., R] tokens each row is expected to get -> [...] seconds taken off."""
+        return self.now - self._seconds(self.left - expected)
 
 
 def choose_drafting(free: Sequence[Sequence[float]], head: Sequence[Sequence[Sequence[float]] | None], costs: Costs,
                     limit: int | None = None, margin: float = 0.0, behind: Sequence[int] | None = None,
-                    weights: Sequence[float] | None = None) -> list[bool]:
+                    left: Sequence[int] | None = None) -> list[bool]:
     """Which rows draft this iteration.
 
     free[r]: the acceptance chances of row r's free candidates; head[r]: for each of row
@@ -66,7 +87,8 @@ def choose_drafting(free: Sequence[Sequence[float]], head: Sequence[Sequence[Seq
     draft). ``limit`` caps the verify width; any speculation must beat plain decoding by
     ``margin``. behind[r]: the anchors row r has waiting, caught up before it drafts (their
     step 0, ``costs.anchor`` each, charged over ``CATCH_UP_HORIZON`` iterations).
-    ``weights[r]``: what a token of row r is worth (:func:`drain_weights`; None: 1 each).
+    ``left[r]``: row r's tokens left in a draining batch (:class:`Drain`; None: not draining,
+    every token worth the same).
     -> a flag per row."""
     rows = len(free)
     drafting = [r for r in range(rows) if head[r]]
@@ -85,18 +107,22 @@ def choose_drafting(free: Sequence[Sequence[float]], head: Sequence[Sequence[Seq
         for k in range(samples):  # a row with fewer kept trees repeats them
             gain_rows[k][r] = per_tree[k % len(per_tree)]
     gain = torch.tensor(gain_rows, dtype=torch.float64)  # [K, R, W]
-    if weights is not None:
-        worth = torch.tensor(weights, dtype=torch.float64)
-        gain, alone = gain * worth[None, :, None], alone * worth[:, None]
     means = gain.mean(dim=(0, 2)).tolist()
-    order = sorted(drafting, key=lambda r: -means[r])
+    order = sorted(drafting, key=lambda r: -means[r] * (1 if left is None else max(left[r], 1)))  # draining: rows behind first
     widths = torch.arange(1, most + 1)
     curve = costs.verify_at(rows)
     verify = torch.tensor([curve(rows * int(w)) for w in widths], dtype=torch.float64)
     plain = costs.plain(rows)  # nobody drafts, one token per row: a plain iteration, priced apart
-    base = (rows if weights is None else sum(weights)) + alone.sum(0)  # [W]: every row's own token and free candidates
-    added = torch.cumsum(gain[:, order], dim=1)  # [K, s, W]: the s best rows' head, for s = 1..
-    totals = torch.cat([torch.zeros(samples, 1, most, dtype=torch.float64), added], dim=1) + base  # [K, s + 1, W]
+    if left is None:  # tokens
+        base = rows + alone.sum(0)  # [W]: every row's own token and free candidates
+        added = torch.cumsum(gain[:, order], dim=1)  # [K, s, W]: the s best rows' head, for s = 1..
+        totals = torch.cat([torch.zeros(samples, 1, most, dtype=torch.float64), added], dim=1) + base  # [K, s + 1, W]
+    else:  # seconds taken off the draining batch's time: each row's tokens apart
+        chosen = torch.zeros(len(order) + 1, rows, dtype=torch.float64)  # [s + 1, R]: whether row r is among the s best
+        for s, r in enumerate(order):
+            chosen[s + 1:, r] = 1.0
+        expected = 1 + alone[None, None] + gain[:, None] * chosen[None, :, :, None]  # [K, s + 1, R, W]
+        totals = Drain(left, costs.plain).saved(expected.transpose(-1, -2))  # [K, s + 1, W]
     catch_up = [0.0] + list(accumulate((behind[r] if behind else 0) * costs.anchor / CATCH_UP_HORIZON for r in order))
     draft = torch.tensor([costs.draft(s) + catch_up[s] for s in range(len(order) + 1)], dtype=torch.float64)
     seconds = draft[:, None] + verify[None, :]  # [s + 1, W]
@@ -112,18 +138,19 @@ def choose_drafting(free: Sequence[Sequence[float]], head: Sequence[Sequence[Seq
 
 def fit_trees(trees: list[TokenTree], room: Sequence[int | None], costs: Costs | None,
               shallow_first: bool = False, margin: float = 0.0, drafted: bool = False,
-              weights: Sequence[float] | None = None) -> list[TokenTree]:
+              left: Sequence[int] | None = None) -> list[TokenTree]:
     """The nodes each row verifies: no node past its row's ``room`` (depths left in the
     target's context, None: unbounded); with ``costs`` (``verify: auto``) the best W - 1
     of every row, W chosen for the whole fused forward (W = 1 priced as a plain iteration
     unless a row ``drafted``: then the iteration is a speculative one whatever W), each
-    row's tokens worth its ``weights`` entry."""
+    a draining batch's rows with ``left`` tokens left each (:class:`Drain`)."""
     trees = [tree if depth is None else _within_depth(tree, depth) for tree, depth in zip(trees, room)]
     if costs is None:
         return trees
     ranked = [tree.ranked(shallow_first) for tree in trees]
     width = best_width([[tree.probs[n] for n in order] for tree, order in zip(trees, ranked)], costs.verify_at(len(trees)),
-                       margin=margin, plain=None if drafted else costs.plain(len(trees)), weights=weights)
+                       margin=margin, plain=None if drafted else costs.plain(len(trees)),
+                       drain=None if left is None else Drain(left, costs.plain))
     return [tree.best(width - 1, shallow_first) for tree in trees]
 
 

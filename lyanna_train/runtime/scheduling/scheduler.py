@@ -40,7 +40,7 @@ from ..drafting.propose import plain_rows, propose_rows
 from ..drafting.state import BatchDraftState
 from ..pricing.cost import Costs, MeasuredCosts
 from ..pricing.estimates import AcceptanceEstimates
-from ..pricing.policy import drain_weights, fit_trees
+from ..pricing.policy import fit_trees
 from ..settings import DecodeSettings, FusionSettings, SamplingParams
 from ..verification.recording import FeatureRecorder, unclosed
 from ..verification.step import accept_rows, verify_rows
@@ -150,17 +150,16 @@ class BatchDecoder:
         """Admit, then one iteration for the running rows -> each request's news this step.
 
         ``closed``: no request will come after those queued (:meth:`run` steps so). Once none
-        waits either, the batch drains and the policy weighs each row's tokens by its tokens
-        left (:func:`..pricing.policy.drain_weights`). A server's steps are never closed: a
-        freed slot is taken by the next request a client sends."""
+        waits either, the batch drains and the policy values an iteration by the time it
+        takes off the batch's remaining time (:class:`..pricing.policy.Drain`). A server's
+        steps are never closed: a freed slot is taken by the next request a client sends."""
         updates = [Update(r) for r in self._refused]
         self._refused = []
         with torch.inference_mode():
             self._admit(updates)
             if not self._blocks:  # mid hold-cycle, rows stay in place until it is verified
                 self._free_done()
-            self.batch.weights = drain_weights([self._left(row) for row in self.rows]) \
-                if closed and not self.waiting else None
+            self.batch.left = [self._left(row) for row in self.rows] if closed and not self.waiting else None
             if self.rows and self.fusion.micro_batches == 1:
                 rows = slice(0, len(self.rows))
                 self._began = time.perf_counter()
@@ -252,8 +251,8 @@ class BatchDecoder:
         room = [None if self.batch.max_positions is None else self.batch.max_positions - row.length for row in active]
         costs = self.batch.costs if self.batch.settings.verify != "all" else None
         drafted = sum(row.drafted for row in active)
-        weights = self.batch.weights[rows] if self.batch.weights is not None else None
-        trees = fit_trees(trees, room, costs, self.fusion.shallow_first, self.batch.settings.margin, drafted > 0, weights)
+        left = self.batch.left[rows] if self.batch.left is not None else None
+        trees = fit_trees(trees, room, costs, self.fusion.shallow_first, self.batch.settings.margin, drafted > 0, left)
         begin = time.perf_counter()
         logits, aux = verify_rows(self.batch, rows, trees)
         verified = time.perf_counter() - begin
