@@ -236,9 +236,11 @@ def test_a_plain_iteration_is_measured_when_the_policy_stopped_choosing_one(tiny
 def test_speculation_that_delivered_less_than_plain_decoding_is_held_with_retries():
     """The model may be wrong; what iterations delivered decides. At a row count where the
     last speculative iterations delivered fewer tokens/s than plain ones (a catch-up
-    charged whole: the drafting it deferred), iterations are plain but for retries: the first after
-    RETRY_EVERY, each next one after twice as many while speculation stays behind (up to
-    RETRY_EVERY_MOST); where it delivered more, the policy chooses freely and the retries'
+    charged whole: the drafting it deferred; a retry's, a hold's backlog, over its horizon),
+    iterations are plain but for retries: the first after RETRY_EVERY, each next one after
+    twice as many while speculation stays behind (up to RETRY_EVERY_MOST); a retry drops
+    the old speculative iterations, so the policy chooses freely until enough new ones
+    judge it; where it delivered more, the policy chooses freely and the retries'
     pace starts again; a row count with too few measured takes the nearest one's."""
     costs = MeasuredCosts(Costs(CPU_LIKE, DraftCost([1, 16], [3.0, 8.0])))
     for _ in range(2):
@@ -250,9 +252,18 @@ def test_speculation_that_delivered_less_than_plain_decoding_is_held_with_retrie
     assert costs.speculation_lost(16) and costs.speculation_lost(12)  # 12 rows: 16's verdict, the nearest
     every, most = cost_module.RETRY_EVERY, cost_module.RETRY_EVERY_MOST
     paces = [min(every << k, most) for k in range((most // every).bit_length() + 1)]  # 8, 16, ..., 128, 128
-    due = [costs.plain_due(16) for _ in range(sum(paces))]
-    retries = [i + 1 for i, held in enumerate(due) if not held]
-    assert [b - a for a, b in zip([0] + retries, retries)] == paces
+    due = []  # each iteration as the decoder runs it: plain when held, else speculative, losing again
+    while len(due) < sum(paces) + 3 * len(paces):
+        due.append(costs.plain_due(16))
+        if due[-1]:
+            costs.observe_iteration(16, 1, 0, seconds=0.050, draft_seconds=0.0, tokens=16)
+        else:
+            costs.observe_iteration(16, 2, 16, seconds=0.070, draft_seconds=0.010, tokens=20)
+    runs = "".join("h" if held else "s" for held in due).split("s")
+    held_runs = [len(run) for run in runs if run]
+    assert held_runs == [pace - 1 for pace in paces]  # 7, 15, 31, ... held between retries
+    assert "".join("h" if held else "s" for held in due).count("ssss") == len(paces)  # each retry: a burst of 4
+    assert costs.speculation_lost(16)  # judged on its own iterations (the old ones dropped), lost again
     assert costs.speculation_lost(12) and [costs.plain_due(12) for _ in range(every)][-1] is False  # its own pace
     for _ in range(cost_module.RATE_WINDOW):  # speculation now delivers 400 tokens/s: the last window's verdict
         costs.observe_iteration(16, 2, 16, seconds=0.050, draft_seconds=0.010, tokens=20)
@@ -266,6 +277,10 @@ def test_speculation_that_delivered_less_than_plain_decoding_is_held_with_retrie
     for _ in range(cost_module.RATE_WINDOW):  # as fast, but after a catch-up of 0.02 s each: 286 tokens/s
         costs.observe_iteration(16, 2, 16, seconds=0.050, draft_seconds=0.010, tokens=20, catch_up=0.02)
     assert costs.speculation_lost(16)
+    costs.observe_iteration(16, 1, 0, seconds=0.050, draft_seconds=0.0, tokens=16)  # the due plain one
+    assert not all(costs.plain_due(16) for _ in range(most))  # a retry comes: it catches up a hold's backlog
+    costs.observe_iteration(16, 2, 16, seconds=0.050, draft_seconds=0.010, tokens=20, catch_up=0.4)
+    assert costs.delivered[(True, 16)][-1] == (20, pytest.approx(0.05 + 0.4 / cost_module.CATCH_UP_HORIZON))
 
 
 def test_a_policy_that_keeps_choosing_plain_decoding_is_consulted_less_until_it_speculates():

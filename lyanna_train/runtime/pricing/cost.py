@@ -164,12 +164,18 @@ class MeasuredCosts:
     The costs are a model; what iterations deliver is the verdict. Each row count keeps
     the tokens/s its last ``RATE_WINDOW`` plain and speculative iterations delivered, a
     catch-up charged whole to the iteration it precedes: it is the drafting a row deferred
-    while it decoded plainly, paid because speculation resumed (16 rows of a closed batch
-    on 2 CPU cores, retried now and then, caught up ~0.25 s in ~9.5 s; charged over
-    ``CATCH_UP_HORIZON`` iterations, it made speculation read 150 tokens/s against plain
-    decoding's 146 and kept it on). Where speculation delivered
-    less than plain decoding, iterations are plain, but for one in ``RETRY_EVERY`` that
-    the policy chooses freely (:meth:`plain_due`): at 16 rows on 2 CPU cores the model,
+    while it decoded plainly by the policy's choice, paid because it chose to speculate
+    again (a closed batch of 16 rows on 2 CPU cores, speculating every few iterations,
+    caught up ~0.25 s in ~9.5 s; charged over ``CATCH_UP_HORIZON`` iterations, it made
+    speculation read 150 tokens/s against plain decoding's 146 and kept it on). A retry's
+    catch-up is the backlog of a hold the verdict imposed; charged whole, no retry after
+    a long hold could win, so it is charged over ``CATCH_UP_HORIZON``. Where speculation delivered
+    less than plain decoding, iterations are plain, but for a retry after ``RETRY_EVERY``
+    of them (:meth:`plain_due`): the policy chooses freely again until its speculative
+    iterations at that row count are enough to judge anew (their old ones are dropped; judged
+    together with the old ones, one retry could not move the verdict, and at 4 rows of a
+    closed batch on 2 CPU cores a hold that began in the first iterations was never lifted,
+    where speculation delivered 1.2x plain decoding once it ran). At 16 rows on 2 CPU cores the model,
     with acceptance predicted within 3 %, still chose iterations that delivered 0.8x plain
     decoding's tokens/s. Each retry after which speculation is still behind doubles the
     wait before the next (up to ``RETRY_EVERY_MOST``): at a row count where it never pays,
@@ -194,6 +200,7 @@ class MeasuredCosts:
         self.chose_plain = 0  # iterations in a row in which the policy, consulted, chose plain decoding
         self.quiet = 0  # iterations since the policy went quiet
         self._forced = False  # whether the current iteration was made plain without the policy
+        self._retry = False  # whether it is a retry of speculation after a hold
 
     @staticmethod
     def _scale(scales: dict[int, float], rows: int, default: float = 1.0) -> float:
@@ -225,22 +232,27 @@ class MeasuredCosts:
         policy: to measure what plain decoding costs now, because speculation delivered less
         there, or because the policy keeps choosing plain decoding anyway (each call counts
         towards the next retry or consultation)."""
+        self._retry = False
         self._forced = self._due(rows)
         return self._forced
 
     def _due(self, rows: int) -> bool:
         if self.since_plain >= PROBE_EVERY:
             return True
-        if self.speculation_lost(rows):
+        verdict = self.speculation_verdict(rows)
+        if verdict == "lost":
             every = self.retry_every.get(rows, RETRY_EVERY)
             self.held[rows] = self.held.get(rows, 0) + 1
             if self.held[rows] < every:
                 return True
             self.held[rows] = 0  # a retry; if speculation is still behind after it, the next waits longer
+            self._retry = True
             self.retry_every[rows] = min(2 * every, RETRY_EVERY_MOST)
+            self.delivered.pop((True, rows), None)  # judged on the iterations it starts, not the old ones
             return False
-        self.held.pop(rows, None)
-        self.retry_every.pop(rows, None)
+        if verdict == "won":  # the retries' pace starts again
+            self.held.pop(rows, None)
+            self.retry_every.pop(rows, None)
         if self.chose_plain >= QUIET_AFTER:
             self.quiet += 1
             return self.quiet % CONSULT_EVERY != 0
@@ -256,10 +268,16 @@ class MeasuredCosts:
         runs = self.delivered[(speculative, min(counts, key=lambda r: (abs(r - rows), r)))]
         return sum(t for t, _ in runs) / max(sum(s for _, s in runs), 1e-9)
 
-    def speculation_lost(self, rows: int) -> bool:
-        """Whether speculative iterations delivered fewer tokens/s than plain ones near ``rows``."""
+    def speculation_verdict(self, rows: int) -> str | None:
+        """Whether speculative iterations delivered fewer tokens/s than plain ones near
+        ``rows`` ("lost"), as many or more ("won"), or too few of either were measured (None)."""
         spec, plain = self.delivered_rate(True, rows), self.delivered_rate(False, rows)
-        return spec is not None and plain is not None and spec < plain
+        if spec is None or plain is None:
+            return None
+        return "lost" if spec < plain else "won"
+
+    def speculation_lost(self, rows: int) -> bool:
+        return self.speculation_verdict(rows) == "lost"
 
     def observe_iteration(self, rows: int, width: int, drafted: int, seconds: float, draft_seconds: float,
                           tokens: int | None = None, catch_up: float = 0.0) -> None:
@@ -273,10 +291,10 @@ class MeasuredCosts:
             self.chose_plain = self.quiet = 0
         elif not self._forced:
             self.chose_plain += 1
-        self._forced = False
+        retry, self._forced, self._retry = self._retry, False, False
         if tokens is not None:
             runs = self.delivered.setdefault((not plain, rows), deque(maxlen=RATE_WINDOW))
-            runs.append((tokens, seconds + catch_up))
+            runs.append((tokens, seconds + (catch_up / CATCH_UP_HORIZON if retry else catch_up)))
         scales = self.plain_scales if plain else self.verify_scales
         tuned = self.tuned.verify(rows * width)
         if rows in scales:
