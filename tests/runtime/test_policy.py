@@ -236,7 +236,7 @@ def test_a_plain_iteration_is_measured_when_the_policy_stopped_choosing_one(tiny
 def test_speculation_that_delivered_less_than_plain_decoding_is_held_with_retries():
     """The model may be wrong; what iterations delivered decides. At a row count where the
     last speculative iterations delivered fewer tokens/s than plain ones (a catch-up
-    charged whole: the drafting it deferred; a retry's, a hold's backlog, over its horizon),
+    spread over its horizon, charged whole in a draining batch but for a retry's),
     iterations are plain but for retries: the first after RETRY_EVERY, each next one after
     twice as many while speculation stays behind (up to RETRY_EVERY_MOST); a retry drops
     the old speculative iterations, so the policy chooses freely until enough new ones
@@ -274,12 +274,15 @@ def test_speculation_that_delivered_less_than_plain_decoding_is_held_with_retrie
     assert due == [True] * (every - 1) + [False]
     for _ in range(cost_module.RATE_WINDOW):
         costs.observe_iteration(16, 2, 16, seconds=0.050, draft_seconds=0.010, tokens=20)
-    for _ in range(cost_module.RATE_WINDOW):  # as fast, but after a catch-up of 0.02 s each: 286 tokens/s
+    for _ in range(cost_module.RATE_WINDOW):  # as fast after a catch-up of 0.02 s each, spread over 8: 381 tokens/s
         costs.observe_iteration(16, 2, 16, seconds=0.050, draft_seconds=0.010, tokens=20, catch_up=0.02)
+    assert not costs.speculation_lost(16)
+    for _ in range(cost_module.RATE_WINDOW):  # the same in a draining batch, charged whole: 286 tokens/s
+        costs.observe_iteration(16, 2, 16, seconds=0.050, draft_seconds=0.010, tokens=20, catch_up=0.02, draining=True)
     assert costs.speculation_lost(16)
     costs.observe_iteration(16, 1, 0, seconds=0.050, draft_seconds=0.0, tokens=16)  # the due plain one
     assert not all(costs.plain_due(16) for _ in range(most))  # a retry comes: it catches up a hold's backlog
-    costs.observe_iteration(16, 2, 16, seconds=0.050, draft_seconds=0.010, tokens=20, catch_up=0.4)
+    costs.observe_iteration(16, 2, 16, seconds=0.050, draft_seconds=0.010, tokens=20, catch_up=0.4, draining=True)
     assert costs.delivered[(True, 16)][-1] == (20, pytest.approx(0.05 + 0.4 / cost_module.CATCH_UP_HORIZON))
 
 

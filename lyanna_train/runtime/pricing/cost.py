@@ -163,13 +163,15 @@ class MeasuredCosts:
 
     The costs are a model; what iterations deliver is the verdict. Each row count keeps
     the tokens/s its last ``RATE_WINDOW`` plain and speculative iterations delivered, a
-    catch-up charged whole to the iteration it precedes: it is the drafting a row deferred
-    while it decoded plainly by the policy's choice, paid because it chose to speculate
-    again (a closed batch of 16 rows on 2 CPU cores, speculating every few iterations,
-    caught up ~0.25 s in ~9.5 s; charged over ``CATCH_UP_HORIZON`` iterations, it made
-    speculation read 150 tokens/s against plain decoding's 146 and kept it on). A retry's
-    catch-up is the backlog of a hold the verdict imposed; charged whole, no retry after
-    a long hold could win, so it is charged over ``CATCH_UP_HORIZON``. Where speculation delivered
+    catch-up (a row's deferred step 0: its prompt's, or the tokens it decoded plainly)
+    charged over the ``CATCH_UP_HORIZON`` iterations it is expected to serve. In a draining
+    batch, which has few iterations left to serve, it is charged whole (a closed batch of
+    16 rows on 2 CPU cores, speculating every few iterations, caught up ~0.25 s in ~9.5 s;
+    spread over 8 iterations, speculation read 150 tokens/s against plain decoding's 146
+    and stayed on); but not on a retry, whose catch-up is the backlog of a hold the
+    verdict imposed. (Charged whole in a server, a new row's prompt made the first
+    iterations that drafted for it lose: at 4 clients speculation stopped, 1.02x
+    ``--no-draft`` instead of 1.06-1.07x.) Where speculation delivered
     less than plain decoding, iterations are plain, but for a retry after ``RETRY_EVERY``
     of them (:meth:`plain_due`): the policy chooses freely again until its speculative
     iterations at that row count are enough to judge anew (their old ones are dropped; judged
@@ -280,10 +282,11 @@ class MeasuredCosts:
         return self.speculation_verdict(rows) == "lost"
 
     def observe_iteration(self, rows: int, width: int, drafted: int, seconds: float, draft_seconds: float,
-                          tokens: int | None = None, catch_up: float = 0.0) -> None:
+                          tokens: int | None = None, catch_up: float = 0.0, draining: bool = False) -> None:
         """One whole iteration: ``rows`` rows verified ``width`` tokens each, ``drafted`` of
         them drafted, in ``seconds`` of which ``draft_seconds`` were the head's; it delivered
-        ``tokens`` (None: not counted) after a catch-up of ``catch_up`` seconds."""
+        ``tokens`` (None: not counted) after a catch-up of ``catch_up`` seconds, in a batch
+        that ``draining`` only shrinks."""
         rest = max(seconds - draft_seconds, 0.0)
         plain = width == 1 and not drafted
         self.since_plain = 0 if plain else self.since_plain + 1
@@ -294,7 +297,7 @@ class MeasuredCosts:
         retry, self._forced, self._retry = self._retry, False, False
         if tokens is not None:
             runs = self.delivered.setdefault((not plain, rows), deque(maxlen=RATE_WINDOW))
-            runs.append((tokens, seconds + (catch_up / CATCH_UP_HORIZON if retry else catch_up)))
+            runs.append((tokens, seconds + (catch_up if draining and not retry else catch_up / CATCH_UP_HORIZON)))
         scales = self.plain_scales if plain else self.verify_scales
         tuned = self.tuned.verify(rows * width)
         if rows in scales:

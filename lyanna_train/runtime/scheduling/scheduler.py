@@ -275,7 +275,8 @@ class BatchDecoder:
             seconds = time.perf_counter() - self._began - self.batch.catch_up_seconds if self._began is not None \
                 else verified + self.batch.draft_seconds
             self.batch.costs.observe_iteration(len(trees), max(len(t) for t in trees), drafted, seconds,
-                                               self.batch.draft_seconds, delivered, self.batch.catch_up_seconds)
+                                               self.batch.draft_seconds, delivered, self.batch.catch_up_seconds,
+                                               draining=self.batch.left is not None)
         self.batch.draft_seconds = self.batch.catch_up_seconds = 0.0
         self._began = None
 
