@@ -108,7 +108,8 @@ def choose_drafting(free: Sequence[Sequence[float]], head: Sequence[Sequence[Seq
             gain_rows[k][r] = per_tree[k % len(per_tree)]
     gain = torch.tensor(gain_rows, dtype=torch.float64)  # [K, R, W]
     means = gain.mean(dim=(0, 2)).tolist()
-    order = sorted(drafting, key=lambda r: -means[r] * (1 if left is None else max(left[r], 1)))  # draining: rows behind first
+    lag = [1] * rows if left is None else [max(n, 1) for n in left]  # draining: the rows behind first
+    order = sorted(drafting, key=lambda r: -means[r] * lag[r])
     widths = torch.arange(1, most + 1)
     curve = costs.verify_at(rows)
     verify = torch.tensor([curve(rows * int(w)) for w in widths], dtype=torch.float64)
