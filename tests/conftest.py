@@ -96,6 +96,18 @@ def sharegpt_records() -> list[dict]:
     return records
 
 
+def leaf_fields(cls, prefix: str = "") -> list[str]:
+    """Every leaf field of the dataclass ``cls``, dotted, nested dataclasses walked: found
+    apart from :func:`lyanna_train.ranges.rules`, so a test can hold the two against each other."""
+    import dataclasses
+
+    out = []
+    for f in dataclasses.fields(cls):
+        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+        out += leaf_fields(type(default), f"{prefix}{f.name}.") if dataclasses.is_dataclass(default) else [prefix + f.name]
+    return out
+
+
 def write_jsonl(path: Path, records) -> Path:
     path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records), encoding="utf-8")
     return path

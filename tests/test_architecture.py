@@ -18,7 +18,7 @@ import pytest
 PACKAGE = Path(__file__).resolve().parents[1] / "lyanna_train"
 HEAVY_OPTIONAL = {"deepspeed", "wandb", "triton"}
 
-BASE = {"errors", "atomic", "locks", "embedded", "configs", "run_record", "__init__"}  # leaf modules anything may use
+BASE = {"errors", "atomic", "locks", "embedded", "configs", "ranges", "run_record", "__init__"}  # leaf modules anything may use
 ALLOWED: dict[str, set[str]] = {
     "errors": set(),
     "atomic": {"errors"},
@@ -26,6 +26,7 @@ ALLOWED: dict[str, set[str]] = {
     "locks": {"errors", "atomic"},  # output_lock checks writability before taking the lock
     "embedded": {"errors"},
     "configs": set(),
+    "ranges": {"errors"},  # declared ranges: the training config's and the decoding settings'
     "__init__": set(),
     "target": BASE,
     "data": BASE | {"target"},

@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Iterable, Iterator, Protocol
 
 from ..errors import LyannaError
+from ..ranges import check_fields, integer, number, ranged
 from .chat_template import ChatRenderer, TemplateRenderError
 from .conversations import TOKEN_IDS
 
@@ -39,22 +40,19 @@ _TO_SHAREGPT = {"user": "human", "assistant": "gpt", "system": "system"}
 
 @dataclass(frozen=True)
 class GenerationSettings:
-    max_new_tokens: int = 256  # per turn
-    temperature: float = 0.0  # 0 = greedy
-    top_p: float = 1.0
-    max_prompt_tokens: int = 1024  # a turn whose prompt is longer ends the conversation there
-    max_turns: int = 1  # assistant turns regenerated per conversation (later ones are cut)
-    batch_size: int = 8  # conversations in flight
-    seed: int = 0
+    max_new_tokens: int = ranged(256, integer(1))  # per turn
+    temperature: float = ranged(0.0, number(0))  # 0 = greedy
+    top_p: float = ranged(1.0, number(0, 1, low_open=True))
+    # a turn whose prompt is longer ends the conversation there
+    max_prompt_tokens: int = ranged(1024, integer(1))
+    max_turns: int = ranged(1, integer(1))  # assistant turns regenerated per conversation (later ones are cut)
+    batch_size: int = ranged(8, integer(1))  # conversations in flight
+    seed: int = ranged(0, integer(0))
     # conversations read ahead and ordered by length (:func:`by_length`); 1 keeps the corpus order
-    length_window: int = 512
+    length_window: int = ranged(512, integer(1))
 
     def __post_init__(self):
-        for name in ("max_new_tokens", "max_prompt_tokens", "max_turns", "batch_size", "length_window"):
-            if getattr(self, name) < 1:
-                raise LyannaError(f"{name} must be at least 1, got {getattr(self, name)}")
-        if self.temperature < 0 or not 0 < self.top_p <= 1:
-            raise LyannaError(f"need temperature >= 0 and top_p in (0, 1], got {self.temperature}, {self.top_p}")
+        check_fields(self, LyannaError)
 
 
 class Decoder(Protocol):

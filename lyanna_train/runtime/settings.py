@@ -1,11 +1,14 @@
 """Every decoding setting, as data: the dataclasses, and ``conf/decode/<preset>.yaml`` plus
 ``key=value`` overrides checked against them.
 
-Each field is declared once, here, with its default: ``DecodeSettings()`` is the shipped
-``default`` preset (``conf/decode/default.yaml`` is empty), and the other presets state only
-what they change. The YAML is checked against :class:`DecodeSettings` itself (an OmegaConf
-structured config), so a misspelt key or a value of the wrong type stops with one line naming
-it instead of being silently ignored; each dataclass checks its own ranges.
+Each field is declared once, here, with its default and its allowed range
+(``ranged(default, rule)``, :mod:`lyanna_train.ranges`, as the training config declares
+its fields): ``DecodeSettings()`` is the shipped ``default`` preset
+(``conf/decode/default.yaml`` is empty), and the other presets state only what they change.
+The YAML is checked against :class:`DecodeSettings` itself (an OmegaConf structured config),
+so a misspelt key, a value of the wrong type or one outside its range stops with one line
+naming it instead of being silently ignored; settings built in code check their own fields
+(:func:`~lyanna_train.ranges.check_fields`).
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from pathlib import Path
 
 from ..configs import decode_dir
 from ..errors import LyannaError
+from ..ranges import check_fields, check_values, flag, integer, number, one_of, ranged
 
 
 @dataclass(frozen=True)
@@ -24,15 +28,16 @@ class TreeShape:
     default is the draft's top-3 for the next token: deeper trees accept more per forward but
     cost more draft time than they save on a 2-core CPU with the CPU recipe's head."""
 
-    depth: int = 1  # levels below the last accepted token (MT-Bench: 2 measured 1.79x vs 1.88x for 1)
-    branch: int = 3  # children scored per expanded node (top-k)
-    beam: int = 1  # nodes expanded per level
-    max_nodes: int = 6  # drafted nodes offered per target forward (the root excluded)
-    min_prob: float = 0.0  # stop drafting deeper once no node of a level is this likely
+    # levels below the last accepted token (MT-Bench: 2 measured 1.79x vs 1.88x for 1)
+    depth: int = ranged(1, integer(0))
+    branch: int = ranged(3, integer(1))  # children scored per expanded node (top-k)
+    beam: int = ranged(1, integer(1))  # nodes expanded per level
+    max_nodes: int = ranged(6, integer(0))  # drafted nodes offered per target forward (the root excluded)
+    # stop drafting deeper once no node of a level is this likely
+    min_prob: float = ranged(0.0, number(0, 1, high_open=True))
 
     def __post_init__(self):
-        if self.depth < 0 or self.branch < 1 or self.beam < 1 or self.max_nodes < 0 or not 0 <= self.min_prob < 1:
-            raise ValueError(f"need depth >= 0, branch >= 1, beam >= 1, max_nodes >= 0, min_prob in [0, 1), got {self}")
+        check_fields(self)
 
 
 @dataclass(frozen=True)
@@ -40,29 +45,29 @@ class LookupSettings:
     """Candidates beside the draft's that cost no draft forward: prompt lookup and the pool's
     continuation (each 0 = off)."""
 
-    max_tokens: int = 10  # prompt-lookup continuation length
-    max_ngram: int = 3  # longest context suffix matched
-    branches: int = 1  # distinct continuations added to the tree (most recent matches first)
+    max_tokens: int = ranged(10, integer(0))  # prompt-lookup continuation length
+    max_ngram: int = ranged(3, integer(1))  # longest context suffix matched
+    # distinct continuations added to the tree (most recent matches first)
+    branches: int = ranged(1, integer(1))
     # continuation after the most similar pooled draft state (:mod:`.drafting.pool_lookup`): raised
     # τ per forward 1.99 -> 2.03 beside prompt lookup, 1.54 -> 1.79 alone (bench/free_candidates.py)
-    pool_tokens: int = 10
+    pool_tokens: int = ranged(10, integer(0))
 
     def __post_init__(self):
-        if min(self.max_tokens, self.pool_tokens) < 0 or self.max_ngram < 1 or self.branches < 1:
-            raise ValueError(f"need max_tokens >= 0, pool_tokens >= 0, max_ngram >= 1 and branches >= 1, got {self}")
+        check_fields(self)
 
 
 @dataclass(frozen=True)
 class SamplingParams:
     """temperature 0 means greedy; top_k 0 and top_p 1 mean off."""
 
-    temperature: float = 0.0  # greedy: lossless, token for token what target.generate gives
-    top_k: int = 0
-    top_p: float = 1.0
+    # 0: greedy, lossless, token for token what target.generate gives
+    temperature: float = ranged(0.0, number(0))
+    top_k: int = ranged(0, integer(0))
+    top_p: float = ranged(1.0, number(0, 1, low_open=True))
 
     def __post_init__(self):
-        if self.temperature < 0 or self.top_k < 0 or not 0 < self.top_p <= 1:
-            raise ValueError(f"need temperature >= 0, top_k >= 0 and top_p in (0, 1], got {self}")
+        check_fields(self)
 
     @property
     def greedy(self) -> bool:
@@ -76,18 +81,18 @@ class FusionSettings:
 
     # 1: verify every running row's tree in one target forward every iteration; k > 1: hold
     # verification until k micro-batches are drafted (the design's variant; lyanna-bench --hold K)
-    micro_batches: int = 1
-    shallow_first: bool = False  # under the fused token budget, admit nodes by depth before probability
+    micro_batches: int = ranged(1, integer(1))
+    # under the fused token budget, admit nodes by depth before probability
+    shallow_first: bool = ranged(False, flag())
     # requests admitted in one step are prefilled together, in forwards of at most this many
     # (padded) prompt tokens; 0: one forward per request
-    prefill_tokens: int = 2048
+    prefill_tokens: int = ranged(2048, integer(0))
     # a freed slot waits up to this many iterations for a running row that will reach its
     # token budget by then, so that their next requests share one prefill; 0: admit at once
-    admit_wait: int = 4
+    admit_wait: int = ranged(4, integer(0))
 
     def __post_init__(self):
-        if self.micro_batches < 1 or self.prefill_tokens < 0 or self.admit_wait < 0:
-            raise ValueError(f"need micro_batches >= 1, prefill_tokens >= 0 and admit_wait >= 0, got {self}")
+        check_fields(self)
 
 
 @dataclass(frozen=True)
@@ -98,24 +103,21 @@ class DecodeSettings:
     tree: TreeShape = TreeShape()
     lookup: LookupSettings = LookupSettings()
     sampling: SamplingParams = SamplingParams()
-    seed: int = 0  # of the sampling generator
+    seed: int = ranged(0, integer(0))  # of the sampling generator
     # "auto": each iteration, each row verifies what maximises the batch's expected tokens
     # per second of measured draft + verify time, the head drafting only for the rows where
     # it pays (:mod:`.pricing.policy`); "fit": the head drafts for every row, each verifies
     # what pays; "all": every row drafts and verifies every candidate
-    verify: str = "auto"
+    verify: str = ranged("auto", one_of("auto", "fit", "all"))
     # "auto" / "fit": speculate only where the measured costs expect at least this gain over
     # plain decoding. 0 by default: where the costs mislead, what speculative iterations
     # delivered against plain ones holds speculation back (:class:`.pricing.cost.MeasuredCosts`);
     # a 5 % margin cost 6-13 % of the tokens/s at batch 2 on 2 CPU cores
-    margin: float = 0.0
+    margin: float = ranged(0.0, number(0, 1, high_open=True))
     fusion: FusionSettings = FusionSettings()  # last: positional callers keep their meaning
 
     def __post_init__(self):
-        if self.verify not in ("auto", "fit", "all"):
-            raise ValueError(f"verify must be 'auto', 'fit' or 'all', not {self.verify!r}")
-        if not 0 <= self.margin < 1:
-            raise ValueError(f"margin must be in [0, 1), not {self.margin}")
+        check_fields(self)  # the nested settings checked themselves
 
 
 def presets() -> list[str]:
@@ -178,7 +180,5 @@ def load_decode_settings(preset: str = "default", overrides: list[str] | tuple =
     except OmegaConfBaseException as err:
         where = f" for {err.full_key}" if getattr(err, "full_key", None) else ""
         raise LyannaError(f"bad decode setting{where}: {str(err).splitlines()[0]}") from None
-    try:
-        return OmegaConf.to_object(schema)
-    except ValueError as err:  # the dataclasses' own range checks
-        raise LyannaError(f"bad decode settings ({path.name} with {list(overrides)}): {err}") from None
+    check_values(schema, DecodeSettings, f"decode settings ({path.name} with {list(overrides)})")
+    return OmegaConf.to_object(schema)

@@ -13,24 +13,8 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from ..errors import LyannaError
-from .validation import (
-    beta_pair,
-    check_paths,
-    check_values,
-    corpus_list,
-    feature_dtypes,
-    flag,
-    integer,
-    layer_list,
-    number,
-    off_or,
-    one_of,
-    one_of_names,
-    optional,
-    ranged,
-    resume_spec,
-    text,
-)
+from ..ranges import check_values, flag, integer, number, off_or, one_of, one_of_names, optional, ranged, text
+from .validation import beta_pair, check_paths, corpus_list, feature_dtypes, layer_list, resume_spec
 
 _DIMENSION = optional(integer(1))  # a draft dimension; None = the target's
 

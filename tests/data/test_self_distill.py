@@ -133,6 +133,13 @@ def test_conversations_come_by_length_a_window_at_a_time():
     assert sorted(order) == sorted(cid for cid, _ in items)
 
 
-def test_length_window_must_be_positive():
-    with pytest.raises(LyannaError, match="length_window"):
-        GenerationSettings(length_window=0)
+def test_every_generation_setting_is_checked_against_its_declared_range():
+    """Each field declares its range (a field without one fails ``rules``); every value just
+    outside it is refused in one line naming the field, the value and what is allowed."""
+    from lyanna_train.ranges import rules
+
+    for name, rule in rules(GenerationSettings).items():
+        assert rule.ok(getattr(GenerationSettings(), name)) and rule.outside, name
+        for value in rule.outside:
+            with pytest.raises(LyannaError, match=rf"^GenerationSettings\.{name} = .* is not allowed \(allowed: "):
+                GenerationSettings(**{name: value})

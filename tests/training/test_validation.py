@@ -8,25 +8,18 @@ import re
 import pytest
 
 from lyanna_train.errors import LyannaError
+from lyanna_train.ranges import check_values, integer, ranged, rules
 from lyanna_train.training.config import Config, TrainConf
 from lyanna_train.training.loop import train
-from lyanna_train.training.validation import check_values, integer, ranged, rules
 
+from ..conftest import leaf_fields
 from .conftest import compose, tiny_overrides
 
 TINY = ("target.aux_layers=[0,1,2]", "eval.num_prompts=0")
 
 
-def _leaves(cls, prefix: str = "") -> list[str]:
-    out = []
-    for f in dataclasses.fields(cls):
-        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
-        out += _leaves(type(default), f"{prefix}{f.name}.") if dataclasses.is_dataclass(default) else [prefix + f.name]
-    return out
-
-
 def test_every_config_field_has_an_allowed_range():
-    assert sorted(_leaves(Config)) == sorted(rules(Config))
+    assert sorted(leaf_fields(Config)) == sorted(rules(Config))
 
 
 def test_a_field_added_without_a_range_is_refused():
@@ -63,7 +56,7 @@ def _with(dotted: str, value) -> Config:
     return cfg
 
 
-@pytest.mark.parametrize("dotted", _leaves(Config))
+@pytest.mark.parametrize("dotted", leaf_fields(Config))
 def test_each_field_is_checked_against_its_declared_range(dotted):
     """Every field's own range, from its declaration: its default is allowed, and each value
     just outside the range is refused with one line naming the field, the value and the range."""
@@ -84,7 +77,7 @@ def test_the_schema_loads_without_torch():
     import subprocess
     import sys
 
-    code = ("import sys, lyanna_train.training.config as c, lyanna_train.training.validation as v; "
+    code = ("import sys, lyanna_train.training.config as c, lyanna_train.ranges as v; "
             "v.rules(c.Config); print('torch' in sys.modules)")
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip() == "False"
 
