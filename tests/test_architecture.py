@@ -110,6 +110,29 @@ def test_every_import_between_areas_is_an_allowed_edge():
     assert not bad, "\n".join(bad)
 
 
+# The runtime's parts, each importing only parts before it: the policy prices trees without
+# knowing how they are drafted, drafting asks the policy which rows draft, verification rolls
+# the draft state to what the target accepted, the scheduler drives them all, the CPU tuning
+# times their forwards.
+RUNTIME_ORDER = ["settings", "token_tree", "kernels", "pricing", "drafting", "verification", "scheduling", "cpu",
+                 "served_models"]
+
+
+def test_the_runtimes_parts_import_only_the_parts_before_them():
+    parts = {p.stem if p.is_file() else p.name for p in (PACKAGE / "runtime").iterdir()
+             if p.name != "__init__.py" and (p.suffix == ".py" or (p / "__init__.py").exists() or p.is_dir())
+             and p.name != "__pycache__"}
+    assert parts == set(RUNTIME_ORDER), f"parts missing from RUNTIME_ORDER or gone: {parts ^ set(RUNTIME_ORDER)}"
+    bad = []
+    for rel, area, name, _ in _edges():
+        if area != "runtime" or len(rel.parts) < 2 or not name.startswith("runtime."):
+            continue
+        here, there = rel.with_suffix("").parts[1], name.split(".")[1]
+        if here != there and RUNTIME_ORDER.index(there) > RUNTIME_ORDER.index(here):
+            bad.append(f"{rel} imports {name}: runtime/{here} may not use runtime/{there}, which comes after it")
+    assert not bad, "\n".join(bad)
+
+
 def _within(name: str, prefix: str) -> bool:
     return name == prefix or name.startswith(prefix + ".")
 

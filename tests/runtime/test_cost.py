@@ -28,7 +28,7 @@ def test_speculates_only_when_it_pays():
 
 def test_acceptance_estimates_learn_from_what_the_target_confirms():
     from lyanna_train.runtime.pricing.estimates import AcceptanceEstimates, POOL
-    from lyanna_train.runtime.verification.tree import TokenTree
+    from lyanna_train.runtime.token_tree import TokenTree
 
     est = AcceptanceEstimates()
     assert est.lookup_probs(2, 3) == [0.5, 0.25, 0.125]  # prior 1/2 per token

@@ -15,7 +15,7 @@ from lyanna_train.runtime.drafting.pool_lookup import pool_continuation
 from lyanna_train.runtime.drafting.state import BatchDraftState, catch_up_rows, extend_rows
 from lyanna_train.runtime.drafting.tree import draft_trees
 from lyanna_train.runtime.settings import TreeShape
-from lyanna_train.runtime.verification.tree import TokenTree
+from lyanna_train.runtime.token_tree import TokenTree
 
 from .conftest import V, make_draft
 

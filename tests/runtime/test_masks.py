@@ -9,11 +9,11 @@ import dataclasses
 import pytest
 import torch
 
-from lyanna_train.runtime.scheduling.ragged_cache import RaggedCache
+from lyanna_train.runtime.verification.ragged_cache import RaggedCache
 from lyanna_train.runtime.verification import masks
 from lyanna_train.runtime.verification.masks import MaskForm, UnsupportedTarget, layer_windows, ragged_mask
 from lyanna_train.runtime.verification.target_step import check_target_masks, ragged_forward
-from lyanna_train.runtime.verification.tree import TokenTree
+from lyanna_train.runtime.token_tree import TokenTree
 
 SEQ = [3, 17, 29, 41, 5, 88, 120, 7, 64, 33, 201, 9, 14, 150]
 

@@ -14,7 +14,7 @@ from lyanna_train.runtime.pricing import cost as cost_module
 from lyanna_train.runtime.pricing.cost import Costs, DraftCost, MeasuredCosts, VerifyCost
 from lyanna_train.runtime.pricing.estimates import AcceptanceEstimates
 from lyanna_train.runtime.pricing.policy import Drain, choose_drafting, fit_trees
-from lyanna_train.runtime.verification.tree import TokenTree
+from lyanna_train.runtime.token_tree import TokenTree
 from lyanna_train.runtime.scheduling.scheduler import BatchDecoder
 from lyanna_train.runtime.settings import DecodeSettings, LookupSettings, TreeShape
 

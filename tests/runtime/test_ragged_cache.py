@@ -8,9 +8,9 @@ import torch
 
 from lyanna_train.runtime.drafting.state import chunk_mask
 from lyanna_train.runtime.verification.masks import ragged_mask
-from lyanna_train.runtime.scheduling.ragged_cache import RaggedCache
+from lyanna_train.runtime.verification.ragged_cache import RaggedCache
 from lyanna_train.runtime.verification.target_step import ragged_forward
-from lyanna_train.runtime.verification.tree import TokenTree
+from lyanna_train.runtime.token_tree import TokenTree
 
 PROMPTS = [[1, 5, 7, 9, 11, 13, 15, 17, 19], [1, 2], [1, 100, 101, 102, 103]]
 

@@ -10,7 +10,7 @@ from transformers.generation.logits_process import TemperatureLogitsWarper, TopK
 from lyanna_train.runtime.scheduling.scheduler import BatchDecoder, generate
 from lyanna_train.runtime.settings import DecodeSettings, LookupSettings, TreeShape, SamplingParams
 from lyanna_train.runtime.verification.sampling import accept_tree_sampling, warp_probs
-from lyanna_train.runtime.verification.tree import TokenTree
+from lyanna_train.runtime.token_tree import TokenTree
 
 from .conftest import LAYER_IDS, make_draft
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from lyanna_train.runtime.verification.masks import ragged_mask
-from lyanna_train.runtime.verification.tree import TokenTree, accept_greedy_tree
+from lyanna_train.runtime.token_tree import TokenTree, accept_greedy_tree
 
 
 def sample_tree() -> TokenTree:

@@ -43,11 +43,11 @@ from ...models.draft_head import DraftHead
 from ..drafting.state import BatchDraftState, extend_rows
 from ..drafting.tree import draft_trees
 from ..pricing.cost import Costs, DraftCost, VerifyCost
-from ..scheduling.ragged_cache import RaggedCache
+from ..verification.ragged_cache import RaggedCache
 from ..settings import TreeShape
 from ..verification.masks import ragged_mask
 from ..verification.target_step import ragged_forward
-from ..verification.tree import TokenTree
+from ..token_tree import TokenTree
 from .small_linear import FORMS, LARGE, MAX_ROWS, settle_packing, small_batch_forms, use_small_batch_linears
 
 SIZES = tuple(range(1, 17)) + (20, 24, 28, 32, 48, 64, 128)  # target tokens per verify forward (128: a prefill's form)

@@ -19,7 +19,7 @@ from ..pricing.cost import MeasuredCosts
 from ..pricing.estimates import POOL, AcceptanceEstimates
 from ..pricing.policy import choose_drafting
 from ..settings import LookupSettings
-from ..verification.tree import TokenTree
+from ..token_tree import TokenTree
 from .pool_lookup import pool_continuation
 from .prompt_lookup import lookup_continuations
 from .state import RowView, catch_up_rows

@@ -25,7 +25,7 @@ import torch
 from ...models.draft_head import DraftHead
 from ..kernels import hot_head_topk, pool_fusion
 from ..settings import TreeShape
-from ..verification.tree import TokenTree
+from ..token_tree import TokenTree
 from .state import BatchDraftState, forward_rows
 
 

@@ -38,7 +38,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from ..verification.tree import TokenTree
+from ..token_tree import TokenTree
 from .cost import CATCH_UP_HORIZON, Costs, best_width
 
 

@@ -1,6 +1,6 @@
 """What every running row shares in a batch, each row's own state, and a row's prefill.
 
-Rows are the slots of the runtime's caches (:class:`.ragged_cache.RaggedCache` for the
+Rows are the slots of the runtime's caches (:class:`..verification.ragged_cache.RaggedCache` for the
 target, :class:`..drafting.state.BatchDraftState` for the draft), one sequence each. One
 iteration over a run of rows is: :func:`..drafting.propose.propose_rows` (each row's
 candidates, the head drafting for the rows the policy picks), :func:`..pricing.policy.
@@ -23,7 +23,7 @@ from ..pricing.estimates import AcceptanceEstimates
 from ..settings import DecodeSettings
 from ..verification.sampling import warp_probs
 from ..verification.target_step import ragged_forward
-from .ragged_cache import RaggedCache
+from ..verification.ragged_cache import RaggedCache
 from .requests import Request
 
 

@@ -45,9 +45,9 @@ from ..settings import DecodeSettings, FusionSettings, SamplingParams
 from ..verification.recording import FeatureRecorder, unclosed
 from ..verification.step import accept_rows, verify_rows
 from ..verification.target_step import check_target_masks, draft_capture
-from ..verification.tree import TokenTree
+from ..token_tree import TokenTree
 from .batch import Batch, Row, prefill_groups, prefill_rows
-from .ragged_cache import RaggedCache
+from ..verification.ragged_cache import RaggedCache
 from .requests import Request, Status, check_request, cut, stop_ids
 
 

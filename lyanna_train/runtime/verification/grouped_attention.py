@@ -1,7 +1,7 @@
 """Attention over runs of rows, each up to its own longest row, instead of the whole batch's.
 
 A ragged forward hands attention every row's keys up to the longest row
-(:class:`..scheduling.ragged_cache.RaggedCache`'s ``kv_length``), the mask hiding what a
+(:class:`.ragged_cache.RaggedCache`'s ``kv_length``), the mask hiding what a
 row does not hold. On a CPU, SDPA computes the hidden columns as it does the others
 (measured, torch 2.13, 2 cores: ~10-15 us per call, plus ~25 ns per query-key pair at 4
 new tokens a row and ~45-75 ns at 1), so one long row makes every short row pay its

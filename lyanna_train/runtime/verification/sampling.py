@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from ..settings import SamplingParams
-from .tree import TokenTree
+from ..token_tree import TokenTree
 
 
 def warp_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:

@@ -24,7 +24,7 @@ from ..drafting.state import extend_rows
 from .masks import ragged_mask
 from .sampling import accept_tree_sampling, warp_probs
 from .target_step import ragged_forward
-from .tree import TokenTree, accept_greedy_tree
+from ..token_tree import TokenTree, accept_greedy_tree
 
 
 def verify_rows(batch, rows: slice, trees: list[TokenTree]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,6 +1,6 @@
 """The target's side of speculative decoding: one forward over ragged rows, with feature capture.
 
-The target keeps a :class:`..scheduling.ragged_cache.RaggedCache`. Between iterations a
+The target keeps a :class:`.ragged_cache.RaggedCache`. Between iterations a
 row holds every accepted token but the last one: that token's logits and features come
 out of the next verify, in the same forward as the candidates that follow it.
 
@@ -19,6 +19,7 @@ import torch
 from ...target.capture import LayerCapture
 from .grouped_attention import grouped, row_groups
 from .masks import MaskForm, UnsupportedTarget, key_positions, ragged_mask
+from .ragged_cache import RaggedCache
 
 
 def draft_capture(target, draft, layer_ids=None) -> LayerCapture | None:
@@ -124,8 +125,6 @@ def check_target_masks(target) -> None:
     Checked once per model object."""
     if getattr(target, "_lyanna_masks_checked", False):
         return
-    from ..scheduling.ragged_cache import RaggedCache
-
     form = MaskForm.of(target)  # refuses implementations that take no custom mask at all
     window = min((w for _, w in form.windows if w is not None), default=None)
     length = 2 * window + 3 if window is not None and window <= 32 else 12  # past a small window: it is exercised

@@ -4,7 +4,7 @@ Node 0 is the root: the last accepted token, not yet run through the target. Eve
 node is a candidate for the position after its parent. Parents come before children, and
 siblings carry distinct tokens (a candidate proposed twice is one node), so a path through
 the tree is identified by its tokens. The target scores all nodes in one forward under
-:func:`.masks.ragged_mask`, where each node sees the cache and its own ancestors only.
+:func:`.verification.masks.ragged_mask`, where each node sees the cache and its own ancestors only.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ iteration. :class:`RaggedCache` is a ``Cache`` whose rows (slots) keep their own
 the keys and values of every layer live in ONE preallocated buffer, written in place at
 each row's own offset (gpt-fast's ``KVCache``, with per-row offsets), and any transformers
 causal LM that reads its cache through ``cache.update`` decodes with it unchanged, given
-the explicit position ids and 4D masks the runtime builds (:func:`..verification.masks.ragged_mask`).
+the explicit position ids and 4D masks the runtime builds (:func:`.masks.ragged_mask`).
 
 A forward covers a contiguous run of slots (``begin(rows, new_tokens)``): row r's T new
 entries go to slots ``length[r] .. length[r] + T - 1`` and attention sees the buffer up to
@@ -22,7 +22,7 @@ import weakref
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from ..verification.masks import layer_windows
+from .masks import layer_windows
 
 EMPTY = 0
 
