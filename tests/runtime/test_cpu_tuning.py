@@ -55,6 +55,32 @@ def test_choice_follows_the_timings_and_pads_to_cheaper_counts(monkeypatch):
         choose_forms(forms, time_forward, (2, 4))
 
 
+def test_a_busy_stretch_during_the_timing_does_not_choose_a_form(monkeypatch):
+    """Every (form, count) is timed once per round, the order reversed every other round, and
+    the best round counts: a stretch of a slowed machine in one round (here 1.5x, over the
+    middle of the first round) changes neither the forms nor the prices. Timed once (one round,
+    the old way's exposure to such a stretch), 2 and 3 rows were padded to the 4-row form and
+    priced at 5.0 instead of 3.5 and 4.0."""
+    costs = {("linear", 1): 3.0, ("weight_stationary", 1): 5.0, ("linear", 2): 3.5, ("weight_stationary", 2): 6.0,
+             ("linear", 3): 4.0, ("weight_stationary", 3): 4.2, ("linear", 4): 6.0, ("weight_stationary", 4): 5.0}
+    monkeypatch.setattr(cpu_tuning, "FORMS", {"linear": F.linear, "weight_stationary": F.linear})
+    forms = [("linear", r) for r in range(MAX_ROWS + 1)] + [("linear", 0)]
+    seen = []
+
+    def time_forward(rows):
+        seen.append((forms[rows][0], rows))
+        busy = 3 <= len(seen) <= 6  # the first round's middle
+        return costs[forms[rows][0], rows] * (1.5 if busy else 1.0)
+
+    seconds = choose_forms(forms, time_forward, (1, 2, 3, 4), rounds=3)
+    first = seen[:len(costs)]
+    assert sorted(first) == sorted(costs) and seen[len(costs):2 * len(costs)] == first[::-1]  # rounds, reversed
+    assert len(seen) == 3 * len(costs)
+    assert forms[1] == ("linear", 1) and forms[2] == ("linear", 2) and forms[3] == ("linear", 3)
+    assert forms[4] == ("weight_stationary", 4)
+    assert seconds == [3.0, 3.5, 4.0, 5.0]
+
+
 def test_counts_past_max_rows_take_the_form_fastest_over_them(monkeypatch):
     big, bigger = MAX_ROWS + 16, MAX_ROWS + 96
     costs = {("linear", 1): 1.0, ("weight_stationary", 1): 2.0, ("linear", big): 9.0,

@@ -55,23 +55,32 @@ DRAFT_SIZES = tuple(range(1, 17)) + (64,)  # anchors accepted at once, or tree n
 DRAFT_ROWS = (1, 2, 3, 4, 6, 8, 12, 16)  # rows drafting at once (the draft cost's sizes)
 ACCEPTED = 2  # anchors each drafting row extends by per timed iteration (a typical accepted run)
 CONTEXT = 256  # cached tokens before the timed forward
-REPEATS = 3  # best of: the run least disturbed by other work
-FORMAT = 4  # 4: the form list's LARGE entry
+REPEATS = 3  # best of: the run least disturbed by other work (for the forms: rounds, see choose_forms)
+FORMAT = 5  # 4: the form list's LARGE entry; 5: forms timed in interleaved rounds
 
 
-def choose_forms(forms: list[tuple[str, int]], time_forward: Callable[[int], float], sizes) -> list[float]:
+def choose_forms(forms: list[tuple[str, int]], time_forward: Callable[[int], float], sizes,
+                 rounds: int = REPEATS) -> list[float]:
     """Time a whole forward ``time_forward(rows)`` (seconds) in each form at each row count
-    of ``sizes`` (increasing, from 1); then give every count up to MAX_ROWS the fastest
-    (form, measured count >= it), and the counts past MAX_ROWS (``forms[LARGE]``) the form
-    fastest over the measured ones there (``F.linear`` if none was) -> the resulting
-    seconds at each of ``sizes``."""
+    of ``sizes`` (increasing, from 1), the best of ``rounds`` rounds; then give every count up
+    to MAX_ROWS the fastest (form, measured count >= it), and the counts past MAX_ROWS
+    (``forms[LARGE]``) the form fastest over the measured ones there (``F.linear`` if none
+    was) -> the resulting seconds at each of ``sizes``.
+
+    Each round times every (form, count) once, in turn, the order reversed every other
+    round: a stretch of a busy or slowing machine then falls on one round of every choice,
+    which the best of the rounds leaves out. (Timed count by count, best of 3 in a row, a
+    2-core VM that drifted by ~25 % within minutes priced a 4-token verify at 1.39x or 1.15x
+    a 2-token one on two tunings and gave 4 tokens a form 16 % slower than F.linear there.)"""
     if sizes[0] != 1:
         raise ValueError("sizes must start at 1")
-    timed = {}  # (form, rows) -> seconds
-    for rows in sizes:
-        for form in FORMS:
+    cases = [(form, rows) for rows in sizes for form in FORMS]
+    timed = {}  # (form, rows) -> seconds, the best round
+    for turn in range(rounds):
+        for form, rows in cases if turn % 2 == 0 else cases[::-1]:
             forms[min(rows, LARGE)] = (form, rows if rows <= MAX_ROWS else 0)
-            timed[form, rows] = time_forward(rows)
+            seconds = time_forward(rows)
+            timed[form, rows] = min(timed.get((form, rows), seconds), seconds)
     large = [rows for rows in sizes if rows > MAX_ROWS]
     forms[LARGE] = (min(FORMS, key=lambda f: sum(timed[f, rows] for rows in large)) if large else "linear", 0)
     best = None
@@ -248,7 +257,7 @@ def tune(target, draft: DraftHead | None = None, *, shape: TreeShape | None = No
     else:
         say("timing the target's forwards per token count (~15 s, once per machine and model; "
             "--stock-linears skips the linear forms)")
-        seconds = choose_forms(target_forms, target_timer(target), SIZES) if target_forms is not None else \
+        seconds = choose_forms(target_forms, target_timer(target, repeats=1), SIZES) if target_forms is not None else \
             [target_timer(target)(n) for n in SIZES]
         stored = {"key": target_key, "seconds": seconds, "target_forms": target_forms,
                   "measured": time.strftime("%Y-%m-%dT%H:%M:%S")}
@@ -275,7 +284,7 @@ def _tune_draft(target, draft: DraftHead, draft_forms, shape: TreeShape | None, 
     else:
         say("timing the draft's forwards per anchor count (a few seconds, once per machine and draft)")
         if draft_forms is not None:
-            choose_forms(draft_forms, draft_timer(draft), DRAFT_SIZES)
+            choose_forms(draft_forms, draft_timer(draft, repeats=1), DRAFT_SIZES)
         stored = {"key": key, "draft_forms": draft_forms, "draft_costs": {},
                   "measured": time.strftime("%Y-%m-%dT%H:%M:%S")}
     if small_batch_forms(draft) is not None:
