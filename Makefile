@@ -53,7 +53,7 @@ test: install
 	$(PYTEST) tests
 
 # The fast tier (unit tests and tiny models: every test that takes under ~0.6 s on 2 cores,
-# about 50 s in all); `make test` runs everything.
+# about 35 s in all on 2 cores); `make test` runs everything.
 test-fast: install
 	$(PYTEST) -m "not slow" tests
 
