@@ -28,8 +28,8 @@ hand (a test fails when this page is stale). Compare figures only inside one fol
 from one run on one machine. Folder names end in the machine (`zen1`: an AVX2-only Zen 1 EPYC,
 2 cores; `xeon`: a 2-core Intel Xeon with AVX512-BF16; `zen4`: a 2-core AMD EPYC of the Zen 4
 generation with AVX512-BF16; `zen5`: a 2-core AMD EPYC of the Zen 5 generation (CPU family 26)
-with AVX512-BF16, whose host's speed swung by up to ~20 % within minutes), then the session (`s32`) and the run (`a`, `b`) where one was
-repeated; each section gives its dtype. Plots and the full per-request tables sit beside each result file.
+with AVX512-BF16, whose host's speed swung by up to ~20 % within minutes), then the session
+(`s32`) and the run (`a`, `b`) where one was repeated; each section gives its dtype. Plots and the full per-request tables sit beside each result file.
 """
 
 
