@@ -100,19 +100,23 @@ def _report_notes(result: CountResult, say) -> None:
 
 def build(corpus_specs: list[str], tokenizer_spec: str, out: str | Path, requests: list[SelectionRequest],
           settings: CountSettings, num_proc: int = 1, overwrite: bool = False, progress: bool = True,
-          say=print) -> dict:
-    """Count ``corpus_specs`` with the tokenizer, select ``requests``, write ``out`` atomically (one writer)."""
+          say=print, tokenizer=None) -> dict:
+    """Count ``corpus_specs`` with the tokenizer, select ``requests``, write ``out`` atomically
+    (one writer). ``tokenizer``: the one ``tokenizer_spec`` loads, where the caller holds it
+    already (a training run): it is not loaded twice more."""
     with output_lock(out):
-        return _build(corpus_specs, tokenizer_spec, out, requests, settings, num_proc, overwrite, progress, say)
+        return _build(corpus_specs, tokenizer_spec, out, requests, settings, num_proc, overwrite, progress, say,
+                      tokenizer)
 
 
-def _build(corpus_specs, tokenizer_spec, out, requests, settings, num_proc, overwrite, progress, say) -> dict:
+def _build(corpus_specs, tokenizer_spec, out, requests, settings, num_proc, overwrite, progress, say,
+           tokenizer=None) -> dict:
     if not requests:
         raise LyannaError("no selection requested (give --ratios, --sizes or --coverage)")
     corpus = Corpus.resolve(corpus_specs)
     out = check_output_dir(out, overwrite, inputs=[*corpus_specs, *(s.path for s in corpus.sources), tokenizer_spec])
     ref = resolve_target(tokenizer_spec)
-    tokenizer = load_tokenizer(ref)
+    tokenizer = tokenizer if tokenizer is not None else load_tokenizer(ref)
     tok_dir = tokenizer_dir(ref)
     vocab = vocab_size(tokenizer)
     check_sizes(requests, vocab)  # now, not after the whole corpus is counted
@@ -138,7 +142,8 @@ def _build(corpus_specs, tokenizer_spec, out, requests, settings, num_proc, over
             bar.set_postfix(docs=docs_seen[0], refresh=False)
 
     try:
-        result = count_corpus(corpus, tok_dir, vocab, settings, num_proc=num_proc, progress=on_batch)
+        result = count_corpus(corpus, tok_dir, vocab, settings, num_proc=num_proc, progress=on_batch,
+                              tokenizer=tokenizer)
     finally:
         if bar is not None:
             bar.close()

@@ -186,11 +186,13 @@ def _keep(shard: tuple[int, int], worker: int, workers: int):
 
 
 def count_worker(corpus: Corpus, tok_dir: str, vocab: int, settings: CountSettings,
-                 worker: int = 0, workers: int = 1, on_flush=None) -> CountResult:
-    """Count the documents of ``worker`` (of ``workers``) within the settings' shard."""
-    from transformers import AutoTokenizer
+                 worker: int = 0, workers: int = 1, on_flush=None, tokenizer=None) -> CountResult:
+    """Count the documents of ``worker`` (of ``workers``) within the settings' shard, with
+    ``tokenizer`` when the caller already holds the one ``tok_dir`` gives (else loaded)."""
+    if tokenizer is None:
+        from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(tok_dir, local_files_only=True, trust_remote_code=False)
+        tokenizer = AutoTokenizer.from_pretrained(tok_dir, local_files_only=True, trust_remote_code=False)
     counter = ShardCounter(tokenizer, vocab, settings, on_flush)
     start = time.perf_counter()
     for item in iter_documents(corpus, counter.result.notes, _keep(settings.shard, worker, workers)):
@@ -213,15 +215,16 @@ def _process_main(out, args) -> None:
 
 
 def count_corpus(corpus: Corpus, tok_dir: str, vocab: int, settings: CountSettings,
-                 num_proc: int = 1, progress=None) -> CountResult:
+                 num_proc: int = 1, progress=None, tokenizer=None) -> CountResult:
     """Count ``corpus`` with ``num_proc`` processes; ``progress(docs, tokens)`` after each batch.
 
-    With one process the Rust tokenizer parallelises each batch itself; with several,
-    each process takes every ``num_proc``-th document of the shard.
+    With one process the Rust tokenizer parallelises each batch itself (``tokenizer``, if
+    given, is that process's: loading it again took ~0.15-0.4 s of a small build); with
+    several, each process takes every ``num_proc``-th document of the shard.
     """
     start = time.perf_counter()
     if num_proc <= 1:
-        result = count_worker(corpus, tok_dir, vocab, settings, on_flush=progress)
+        result = count_worker(corpus, tok_dir, vocab, settings, on_flush=progress, tokenizer=tokenizer)
         result.seconds = time.perf_counter() - start
         return result
     import multiprocessing as mp

@@ -59,7 +59,7 @@ def hot_vocabulary(cfg, tokenizer, out_dir: Path, is_main: bool) -> torch.Tensor
         from ..hotvocab.selection import SelectionRequest
 
         build(list(cfg.data.corpus), cfg.target.name, path, [SelectionRequest(size=size)], CountSettings(),
-              overwrite=True, progress=True)
+              overwrite=True, progress=True, tokenizer=tokenizer)
     _barrier()
     if path.is_dir():
         sizes = [s["size"] for s in read_manifest(path)["selections"]]

@@ -108,3 +108,26 @@ def test_interrupted_build_leaves_nothing_and_keeps_previous_output(tmp_path, co
         builder.build([corpus], "smollm2", tmp_path / "fresh", REQUESTS, CountSettings(), **QUIET)
     assert not (tmp_path / "fresh").exists()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["corpus.jsonl", "hv"]
+
+
+def test_a_held_tokenizer_counts_as_the_loaded_one_and_is_not_loaded_again(tmp_path, corpus, smollm2_tokenizer,
+                                                                            monkeypatch):
+    """A training run hands its tokenizer to the build: the counts are those of a build that
+    loads its own, and no tokenizer is loaded meanwhile."""
+    from transformers import AutoTokenizer
+
+    loaded = tmp_path / "loaded"
+    builder.build([corpus], "smollm2", loaded, REQUESTS[:1], CountSettings(heldout=0.1), **QUIET)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the build loaded a tokenizer although it was handed one")
+
+    monkeypatch.setattr(AutoTokenizer, "from_pretrained", refuse)
+    held = tmp_path / "held"
+    builder.build([corpus], "smollm2", held, REQUESTS[:1], CountSettings(heldout=0.1), tokenizer=smollm2_tokenizer,
+                  **QUIET)
+    a, b = load_counts(loaded), load_counts(held)
+    np.testing.assert_array_equal(a[1], b[1])
+    np.testing.assert_array_equal(a[2], b[2])
+    assert json.loads((held / "manifest.json").read_text())["tokenizer"]["fingerprint"] == \
+        json.loads((loaded / "manifest.json").read_text())["tokenizer"]["fingerprint"]
