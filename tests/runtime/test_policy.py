@@ -64,6 +64,17 @@ def test_drafting_is_worth_the_best_choice_per_tree_not_the_choice_for_the_mean_
     assert choose_drafting([[]], [[[0.4, 0.0], [0.0, 0.0]] * 2], costs) == [True]
 
 
+def test_a_draining_batch_charges_a_catch_up_whole_but_a_lone_row_spreads_it():
+    """Two rows, each 400 anchors behind (0.06 ms each: 24 ms to catch up). Spread over the
+    8 iterations it is expected to serve, drafting pays; in a draining batch of several rows
+    it is charged whole and does not; a lone row draining spreads it as if not draining."""
+    costs = Costs(CPU_LIKE, DraftCost([1, 16], [3.0, 8.0]), anchor=0.06)
+    assert choose_drafting([[]] * 2, [GOOD_HEAD] * 2, costs, behind=[400] * 2) == [True, True]
+    assert choose_drafting([[]] * 2, [GOOD_HEAD] * 2, costs, behind=[400] * 2, left=[60, 60]) == [False, False]
+    assert choose_drafting([[]] * 2, [GOOD_HEAD] * 2, costs, behind=[50] * 2, left=[60, 60]) == [True, True]
+    assert choose_drafting([[]], [GOOD_HEAD], costs, behind=[400], left=[60]) == [True]
+
+
 def test_a_row_that_stops_drafting_drifts_back_to_try_again():
     est = AcceptanceEstimates()
     assert est.expected_head(3, 5) == [[1.0, 1.0, 1.0, 0.0, 0.0]]  # cold, nothing measured: a perfect chain
