@@ -297,6 +297,29 @@ def test_speculation_that_delivered_less_than_plain_decoding_is_held_with_retrie
     assert costs.delivered[(True, 16)][-1] == (20, pytest.approx(0.05 + 0.4 / cost_module.CATCH_UP_HORIZON))
 
 
+def test_speculation_is_judged_against_held_iterations_with_the_consultations_counted():
+    """What the policy costs is part of what speculating costs: the iterations it was
+    consulted for, plain ones included, are judged together against held ones (plain,
+    nothing proposed). Speculative iterations at 330 tokens/s beside consulted plain ones
+    at 290 lose to held ones at 320; compared with all plain iterations (305 tokens/s on
+    average) they would have won."""
+    costs = MeasuredCosts(Costs(CPU_LIKE, DraftCost([1, 16], [3.0, 8.0])))
+    for _ in range(2):
+        costs.observe_iteration(16, 1, 0, seconds=0.050, draft_seconds=0.0, tokens=16, consulted=False)  # 320
+    for _ in range(2):
+        costs.observe_iteration(16, 2, 16, seconds=0.060, draft_seconds=0.010, tokens=20)  # 333 tokens/s
+        costs.observe_iteration(16, 1, 0, seconds=16 / 290, draft_seconds=0.0, tokens=16, consulted=True)
+    assert costs.delivered_rate(False, 16) == pytest.approx(320)
+    assert costs.delivered_rate(True, 16) < 320 and costs.speculation_lost(16)
+    costs = MeasuredCosts(Costs(CPU_LIKE, DraftCost([1, 16], [3.0, 8.0])))
+    for _ in range(4):  # the policy consulted, speculating every time: only held iterations are plain
+        costs.observe_iteration(16, 2, 16, seconds=0.060, draft_seconds=0.010, tokens=20)
+    costs.observe_iteration(16, 1, 0, seconds=0.050, draft_seconds=0.0, tokens=16, consulted=False)
+    assert costs.speculation_verdict(16) is None  # one held iteration is too few
+    costs.observe_iteration(16, 1, 0, seconds=0.050, draft_seconds=0.0, tokens=16, consulted=False)
+    assert costs.speculation_verdict(16) == "won"
+
+
 def test_a_policy_that_keeps_choosing_plain_decoding_is_consulted_less_until_it_speculates():
     """Consulting the policy costs an iteration's proposals: after QUIET_AFTER plain
     iterations it chose itself, it is consulted one iteration in CONSULT_EVERY; the first

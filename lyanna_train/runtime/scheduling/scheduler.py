@@ -165,7 +165,8 @@ class BatchDecoder:
                 self._began = time.perf_counter()
                 probe = self.batch.settings.verify == "auto" and isinstance(self.batch.costs, MeasuredCosts) \
                     and self.batch.costs.plain_due(len(self.rows))  # "fit" and "all" draft for every row, always
-                self._verify(rows, plain_rows(self.batch, rows) if probe else propose_rows(self.batch, rows), updates)
+                self._verify(rows, plain_rows(self.batch, rows) if probe else propose_rows(self.batch, rows), updates,
+                             consulted=not probe)
             elif self.rows:
                 self._hold_step(updates)
             if not self._blocks:
@@ -246,7 +247,7 @@ class BatchDecoder:
         self._waited = 0
         return False
 
-    def _verify(self, rows: slice, trees: list[TokenTree], updates: list[Update]) -> None:
+    def _verify(self, rows: slice, trees: list[TokenTree], updates: list[Update], consulted: bool = True) -> None:
         active = self.rows[rows]
         room = [None if self.batch.max_positions is None else self.batch.max_positions - row.length for row in active]
         costs = self.batch.costs if self.batch.settings.verify != "all" else None
@@ -276,7 +277,7 @@ class BatchDecoder:
                 else verified + self.batch.draft_seconds
             self.batch.costs.observe_iteration(len(trees), max(len(t) for t in trees), drafted, seconds,
                                                self.batch.draft_seconds, delivered, self.batch.catch_up_seconds,
-                                               draining=self.batch.left is not None)
+                                               draining=self.batch.left is not None, consulted=consulted)
         self.batch.draft_seconds = self.batch.catch_up_seconds = 0.0
         self._began = None
 
