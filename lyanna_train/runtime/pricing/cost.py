@@ -281,10 +281,10 @@ class MeasuredCosts:
         """Whether iterations with the policy consulted delivered fewer tokens/s than held
         ones near ``rows`` ("lost"), as many or more ("won"), or too few of either were
         measured (None)."""
-        spec, plain = self.delivered_rate(True, rows), self.delivered_rate(False, rows)
-        if spec is None or plain is None:
+        consulted, held = self.delivered_rate(True, rows), self.delivered_rate(False, rows)
+        if consulted is None or held is None:
             return None
-        return "lost" if spec < plain else "won"
+        return "lost" if consulted < held else "won"
 
     def speculation_lost(self, rows: int) -> bool:
         return self.speculation_verdict(rows) == "lost"

@@ -88,7 +88,7 @@ def choose_drafting(free: Sequence[Sequence[float]], head: Sequence[Sequence[Seq
     ``margin``. behind[r]: the anchors row r has waiting, caught up before it drafts (their
     step 0, ``costs.anchor`` each, charged over ``CATCH_UP_HORIZON`` iterations).
     ``left[r]``: row r's tokens left in a draining batch (:class:`Drain`; None: not draining,
-    every token worth the same).
+    every token worth the same). -> a flag per row.
 
     In a draining batch of several rows a catch-up is charged whole, as the verdict on
     what speculation delivered charges it (:class:`.cost.MeasuredCosts`): the rows' tokens
@@ -99,8 +99,7 @@ def choose_drafting(free: Sequence[Sequence[float]], head: Sequence[Sequence[Seq
     iterations) to 1.00x; batch 4 from 1.02x to 1.06x, batch 2 from 0.95x to 1.02x. One
     row draining is valued as one row not draining (:class:`Drain`), so it keeps the
     horizon: charged whole, a long prompt's catch-up would keep a lone row from ever
-    drafting.
-    -> a flag per row."""
+    drafting."""
     rows = len(free)
     drafting = [r for r in range(rows) if head[r]]
     if not drafting:
