@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from lyanna_train.runtime.cpu import tuning as cpu_tuning
+from lyanna_train.runtime.cpu import small_linear, tuning as cpu_tuning
 
 from lyanna_train.runtime.scheduling.scheduler import generate
 from lyanna_train.runtime.pricing.cost import Costs, DraftCost, VerifyCost
@@ -199,3 +199,35 @@ def test_the_draft_cost_is_timed_per_tree_shape_and_kept(tiny_target, cache_home
     assert {s for s, _ in timed} == {TreeShape(1, 3, 1, 3)}  # only the new shape was timed
     stored = json.loads(tuning_path(tuning_key(target, draft, True)).read_text())
     assert len(stored["draft_costs"]) == 2
+
+
+def test_mkls_packed_form_is_timed_and_chosen_only_at_its_counts(monkeypatch):
+    """MKL packs a weight per row count, a copy each: it is timed at the counts it may keep
+    (cheapest everywhere here), other counts pad up to them, and it never serves the counts
+    past MAX_ROWS, whose rows vary."""
+    monkeypatch.setattr(cpu_tuning, "FORMS", {"linear": F.linear, "mkl_packed": F.linear})
+    forms = [("linear", r) for r in range(MAX_ROWS + 1)] + [("linear", 0)]
+    seen = []
+
+    def time_forward(rows):
+        seen.append((forms[min(rows, LARGE)][0], rows))
+        return rows * (0.5 if forms[min(rows, LARGE)][0] == "mkl_packed" else 1.0)
+
+    choose_forms(forms, time_forward, (1, 2, 4, 8, 48), mkl=(4, 8))
+    assert {r for f, r in seen if f == "mkl_packed"} == {4, 8}
+    assert forms[3] == forms[4] == ("mkl_packed", 4) and forms[5] == ("mkl_packed", 8)
+    assert forms[LARGE] == ("linear", 0)
+
+
+def test_mkl_keeps_only_the_copies_the_machines_memory_allows(monkeypatch):
+    if "mkl_packed" not in small_linear.FORMS:
+        pytest.skip("torch built without MKL")
+    model = torch.nn.Linear(1024, 1024)  # 4 MiB of weights
+    pages = {"SC_PAGE_SIZE": 4096}
+    monkeypatch.setattr(small_linear.os, "sysconf", lambda name: pages.get(name, 0) or memory // 4096)
+    memory = 64 * 2**20  # a quarter: 16 MiB, four copies
+    assert small_linear.mkl_rows(model) == small_linear.MKL_ROWS[:4]
+    memory = 40 * 2**20  # 10 MiB: two
+    assert small_linear.mkl_rows(model) == small_linear.MKL_ROWS[:2]
+    memory = 8 * 2**20  # 2 MiB: none
+    assert small_linear.mkl_rows(model) == ()

@@ -12,8 +12,8 @@ import torch.nn.functional as F
 from lyanna_train.runtime.scheduling.scheduler import generate
 from lyanna_train.runtime.cpu.tuning import tune
 from lyanna_train.runtime.settings import DecodeSettings, LookupSettings, TreeShape
-from lyanna_train.runtime.cpu.small_linear import (FORMS, LARGE, MAX_ROWS, PACKED, SmallBatchLinear, settle_packing,
-                                                   small_batch_forms, use_small_batch_linears)
+from lyanna_train.runtime.cpu.small_linear import (FORMS, LARGE, MAX_ROWS, MKL_PACKED, PACKED, SmallBatchLinear,
+                                                   settle_packing, small_batch_forms, use_small_batch_linears)
 
 from .conftest import LAYER_IDS, drafted_tokens, greedy_reference
 
@@ -107,3 +107,32 @@ def test_packed_weights_follow_the_weight_are_made_up_front_and_released():
     forms[2] = ("linear", 2)
     settle_packing(layer)
     assert PACKED not in vars(layer[0])
+
+
+@pytest.mark.skipif("mkl_packed" not in FORMS, reason="torch built without MKL")
+def test_mkl_packs_are_one_per_chosen_count_made_up_front_and_released():
+    """MKL packs a weight for one row count: a copy per count the forms use, none other."""
+    torch.manual_seed(0)
+    layer = torch.nn.Sequential(torch.nn.Linear(16, 8))
+    forms = use_small_batch_linears(layer)
+    forms[3], forms[4], forms[7] = ("mkl_packed", 4), ("mkl_packed", 4), ("mkl_packed", 8)
+    settle_packing(layer)
+    assert set(vars(layer[0])[MKL_PACKED]) == {4, 8}
+    for rows in (3, 4, 7):
+        x = torch.randn(rows, 16)
+        with torch.inference_mode():
+            torch.testing.assert_close(layer(x), F.linear(x, layer[0].weight, layer[0].bias), rtol=1e-5, atol=1e-5)
+    with torch.no_grad():
+        layer[0].weight.mul_(2)  # an in-place change re-packs
+    x = torch.randn(4, 16)
+    with torch.inference_mode():
+        torch.testing.assert_close(layer(x), F.linear(x, layer[0].weight, layer[0].bias), rtol=1e-5, atol=1e-5)
+    twin = copy.deepcopy(layer)  # opaque packs are not copied, but re-made
+    assert MKL_PACKED not in vars(twin[0])
+    with torch.inference_mode():
+        torch.testing.assert_close(twin(x), layer(x), rtol=0, atol=0)
+    forms[7] = ("linear", 7)
+    settle_packing(layer)
+    assert set(vars(layer[0])[MKL_PACKED]) == {4}
+    use_small_batch_linears(layer, False)
+    assert MKL_PACKED not in vars(layer[0])

@@ -18,12 +18,15 @@ from lyanna_train.runtime.settings import DecodeSettings, LookupSettings, TreeSh
 
 
 def _every_form(model) -> set[str]:
-    """Row count r takes the r-th form in turn, padded to r + 1 at every third count; past
-    MAX_ROWS (a prefill) the last form -> the forms rows 1..9 use (a decode's counts)."""
+    """Row count r (1..9, a decode's counts) takes the r-th form in turn, padded to r + 1 at
+    every third count, 10..MAX_ROWS F.linear (MKL's packed form keeps a copy of the weights
+    per count); past MAX_ROWS (a prefill) the last form that is not MKL's packed one -> the
+    forms rows 1..9 use."""
     names = list(FORMS)
+    large = next(n for n in reversed(names) if n != "mkl_packed")  # MKL packs per count: never past MAX_ROWS
     forms = use_small_batch_linears(model)
-    forms[:] = [("linear", 0)] + [(names[r % len(names)], min(MAX_ROWS, r + (r % 3 == 0))) for r in
-                                  range(1, MAX_ROWS + 1)] + [(names[-1], 0)]
+    forms[:] = [("linear", 0)] + [(names[r % len(names)], min(MAX_ROWS, r + (r % 3 == 0))) if r < 10 else
+                                  ("linear", r) for r in range(1, MAX_ROWS + 1)] + [(large, 0)]
     assert len(forms) == LARGE + 1
     settle_packing(model)
     return {forms[r][0] for r in range(1, 10)}

@@ -18,6 +18,18 @@ Measured on SmolLM2, 2 cores (Zen 4), one target forward after 256 cached tokens
     oneDNN, packed        20    24    25    32    37
     best form per count   20    24    25    30    37   (padding: 7 and 8 run as 9)
 
+MKL's own packed GEMM (``cblas_sgemm_pack``, what inductor's CPU freezing calls for fp32)
+packs the weight for one row count, so it keeps a copy of the weights per count and runs
+only at a few (:data:`MKL_ROWS`, rows padded up to them). On a 2-core Sapphire Rapids Xeon
+(AVX512, AMX) it took SmolLM2's linears, ms, against oneDNN's packed form:
+
+    rows                   4     8    16    24    32
+    oneDNN, packed        38    48    58    61    69
+    MKL, packed           32    40    49    51    58
+
+and in whole decoding, alternated in one process (16 MT-Bench prompts x 64 tokens), plain
+decoding ran 1.29x and 1.18x as fast at batch 4 and 8, Lyanna 1.13x and 1.09x.
+
 Which form wins depends on the machine, so :mod:`.cpu_tuning` chooses them by timing whole
 forwards. All forms compute the same product, up to float summation order.
 
@@ -35,6 +47,7 @@ left alone (cuBLAS has no such cliff).
 
 from __future__ import annotations
 
+import os
 from contextlib import contextmanager
 from typing import Callable, Iterator
 
@@ -78,11 +91,49 @@ def _onednn_packed(x2: torch.Tensor, layer: torch.nn.Linear) -> torch.Tensor:
     return torch.ops.mkldnn._linear_pointwise(x2, packed_weight(layer), None, "none", [], "")
 
 
+MKL_PACKED = "_mkl_packed_weights"  # attribute: {rows: (weight version, MKL's packed weight for that many rows)}
+MKL_ROWS = (4, 8, 16, 32)  # the only row counts MKL's packed form runs at (padded to): a copy of the weights each
+MKL_MEMORY = 0.25  # the most of the machine's memory those copies may take
+
+
+def mkl_rows(model: torch.nn.Module) -> tuple[int, ...]:
+    """The counts of :data:`MKL_ROWS` MKL's packed form may run at for ``model``, smallest
+    first: as many as copies of its linear weights fit in ``MKL_MEMORY`` of the machine's
+    memory (SmolLM2's 0.54 GB, four; a 7B target's 28 GB, none). () without MKL."""
+    if "mkl_packed" not in FORMS:
+        return ()
+    weights = sum(m.weight.numel() * m.weight.element_size() for m in model.modules() if isinstance(m, torch.nn.Linear))
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return MKL_ROWS[:int(MKL_MEMORY * memory // max(weights, 1))]
+
+
+def mkl_packed_weight(layer: torch.nn.Linear, rows: int) -> torch.Tensor:
+    """The layer's weight packed by MKL (``cblas_sgemm_pack``) for products of ``rows`` rows,
+    made once per count (redone if the weight changed in place). MKL packs for one row
+    count: another count would fall back to the plain weight, so each count kept costs a
+    copy of the weights; :data:`MKL_ROWS` bounds them. Kept like :func:`packed_weight`'s."""
+    version = layer.weight._version
+    packs = layer.__dict__.setdefault(MKL_PACKED, {})
+    entry = packs.get(rows)
+    if entry is None or entry[0] != version:
+        with torch.inference_mode(False), torch.no_grad():
+            entry = version, torch.ops.mkl._mkl_reorder_linear_weight(layer.weight.detach(), rows)
+        packs[rows] = entry
+    return entry[1]
+
+
+def _mkl_packed(x2: torch.Tensor, layer: torch.nn.Linear) -> torch.Tensor:
+    rows = x2.shape[0]
+    return torch.ops.mkl._mkl_linear(x2, mkl_packed_weight(layer, rows), layer.weight, None, rows)
+
+
 FORMS: dict[str, Callable[[torch.Tensor, torch.nn.Linear], torch.Tensor]] = {
     "linear": _linear, "weight_stationary": _weight_stationary}
 if torch.backends.mkldnn.is_available():  # torch built without oneDNN: the two MKL forms only
     FORMS["onednn"] = _onednn
     FORMS["onednn_packed"] = _onednn_packed
+if torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_linear"):
+    FORMS["mkl_packed"] = _mkl_packed
 
 
 class SmallBatchLinear(torch.nn.Linear):
@@ -101,6 +152,7 @@ class SmallBatchLinear(torch.nn.Linear):
     def __getstate__(self):
         state = dict(super().__getstate__())  # a copy: the default hands out the live __dict__
         state.pop(PACKED, None)
+        state.pop(MKL_PACKED, None)
         return state
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -132,6 +184,7 @@ def use_small_batch_linears(model: torch.nn.Module, enabled: bool = True) -> lis
             module.__class__ = torch.nn.Linear
             del module.forms
             module.__dict__.pop(PACKED, None)
+            module.__dict__.pop(MKL_PACKED, None)
     return forms if enabled else None
 
 
@@ -154,16 +207,23 @@ def small_batch_forms(model: torch.nn.Module) -> list[tuple[str, int]] | None:
 
 
 def settle_packing(model: torch.nn.Module) -> None:
-    """Once the forms are chosen: if some row count uses the packed form, pack every
-    weight now — else the first forward at that count pays the reorders (~2 s for
-    SmolLM2's 210 linears on 2 cores), charged to whichever request or benchmarked method
-    comes first; if none does, drop the packed copies."""
+    """Once the forms are chosen: pack every weight now for each packed form some row count
+    uses (oneDNN's; MKL's, per padded count) — else the first forward at that count pays the
+    reorders (~2 s for SmolLM2's 210 linears on 2 cores), charged to whichever request or
+    benchmarked method comes first; drop the packed copies no count uses."""
     forms = small_batch_forms(model)
     if forms is None:
         return
     packed = any(form == "onednn_packed" for form, _ in forms)
+    mkl_rows = {rows for form, rows in forms if form == "mkl_packed"}
     for module in model.modules():
         if packed and type(module) is SmallBatchLinear:
             packed_weight(module)
         elif not packed:
             module.__dict__.pop(PACKED, None)
+        packs = module.__dict__.get(MKL_PACKED, {})
+        for rows in set(packs) - mkl_rows:
+            del packs[rows]
+        if type(module) is SmallBatchLinear:
+            for rows in mkl_rows:
+                mkl_packed_weight(module, rows)

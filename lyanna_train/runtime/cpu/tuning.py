@@ -34,7 +34,7 @@ import os
 import platform
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 
@@ -48,7 +48,7 @@ from ..settings import TreeShape
 from ..verification.masks import ragged_mask
 from ..verification.target_step import ragged_forward
 from ..token_tree import TokenTree
-from .small_linear import FORMS, LARGE, MAX_ROWS, settle_packing, small_batch_forms, use_small_batch_linears
+from .small_linear import FORMS, LARGE, MAX_ROWS, mkl_rows, settle_packing, small_batch_forms, use_small_batch_linears
 
 SIZES = tuple(range(1, 17)) + (20, 24, 28, 32, 48, 64, 128)  # target tokens per verify forward (128: a prefill's form)
 DRAFT_SIZES = tuple(range(1, 17)) + (64,)  # anchors accepted at once, or tree nodes of one level (64: a catch-up)
@@ -56,16 +56,18 @@ DRAFT_ROWS = (1, 2, 3, 4, 6, 8, 12, 16)  # rows drafting at once (the draft cost
 ACCEPTED = 2  # anchors each drafting row extends by per timed iteration (a typical accepted run)
 CONTEXT = 256  # cached tokens before the timed forward
 REPEATS = 3  # best of: the run least disturbed by other work (for the forms: rounds, see choose_forms)
-FORMAT = 5  # 4: the form list's LARGE entry; 5: forms timed in interleaved rounds
+FORMAT = 6  # 4: the form list's LARGE entry; 5: forms timed in interleaved rounds; 6: MKL's packed form
 
 
 def choose_forms(forms: list[tuple[str, int]], time_forward: Callable[[int], float], sizes,
-                 rounds: int = REPEATS) -> list[float]:
+                 rounds: int = REPEATS, mkl: Sequence[int] = ()) -> list[float]:
     """Time a whole forward ``time_forward(rows)`` (seconds) in each form at each row count
     of ``sizes`` (increasing, from 1), the best of ``rounds`` rounds; then give every count up
     to MAX_ROWS the fastest (form, measured count >= it), and the counts past MAX_ROWS
     (``forms[LARGE]``) the form fastest over the measured ones there (``F.linear`` if none
-    was) -> the resulting seconds at each of ``sizes``.
+    was) -> the resulting seconds at each of ``sizes``. MKL's packed form is timed only at
+    the counts ``mkl`` (:func:`.small_linear.mkl_rows`: it keeps a copy of the weights per
+    count), never past MAX_ROWS.
 
     Each round times every (form, count) once, in turn, the order reversed every other
     round: a stretch of a busy or slowing machine then falls on one round of every choice,
@@ -74,7 +76,7 @@ def choose_forms(forms: list[tuple[str, int]], time_forward: Callable[[int], flo
     a 2-token one on two tunings and gave 4 tokens a form 16 % slower than F.linear there.)"""
     if sizes[0] != 1:
         raise ValueError("sizes must start at 1")
-    cases = [(form, rows) for rows in sizes for form in FORMS]
+    cases = [(form, rows) for rows in sizes for form in FORMS if form != "mkl_packed" or rows in mkl]
     timed = {}  # (form, rows) -> seconds, the best round
     for turn in range(rounds):
         for form, rows in cases if turn % 2 == 0 else cases[::-1]:
@@ -82,7 +84,8 @@ def choose_forms(forms: list[tuple[str, int]], time_forward: Callable[[int], flo
             seconds = time_forward(rows)
             timed[form, rows] = min(timed.get((form, rows), seconds), seconds)
     large = [rows for rows in sizes if rows > MAX_ROWS]
-    forms[LARGE] = (min(FORMS, key=lambda f: sum(timed[f, rows] for rows in large)) if large else "linear", 0)
+    everywhere = [f for f in FORMS if all((f, rows) in timed for rows in large)]  # MKL's packed form: a few counts
+    forms[LARGE] = (min(everywhere, key=lambda f: sum(timed[f, rows] for rows in large)) if large else "linear", 0)
     best = None
     for rows in range(MAX_ROWS, 0, -1):  # the cheapest choice among counts >= rows
         here = [key for key in timed if key[1] == rows]
@@ -257,7 +260,8 @@ def tune(target, draft: DraftHead | None = None, *, shape: TreeShape | None = No
     else:
         say("timing the target's forwards per token count (~15 s, once per machine and model; "
             "--stock-linears skips the linear forms)")
-        seconds = choose_forms(target_forms, target_timer(target, repeats=1), SIZES) if target_forms is not None else \
+        seconds = choose_forms(target_forms, target_timer(target, repeats=1), SIZES, mkl=mkl_rows(target)) \
+            if target_forms is not None else \
             [target_timer(target)(n) for n in SIZES]
         stored = {"key": target_key, "seconds": seconds, "target_forms": target_forms,
                   "measured": time.strftime("%Y-%m-%dT%H:%M:%S")}
@@ -284,7 +288,7 @@ def _tune_draft(target, draft: DraftHead, draft_forms, shape: TreeShape | None, 
     else:
         say("timing the draft's forwards per anchor count (a few seconds, once per machine and draft)")
         if draft_forms is not None:
-            choose_forms(draft_forms, draft_timer(draft, repeats=1), DRAFT_SIZES)
+            choose_forms(draft_forms, draft_timer(draft, repeats=1), DRAFT_SIZES, mkl=mkl_rows(draft))
         stored = {"key": key, "draft_forms": draft_forms, "draft_costs": {},
                   "measured": time.strftime("%Y-%m-%dT%H:%M:%S")}
     if small_batch_forms(draft) is not None:
