@@ -23,8 +23,8 @@ from pathlib import Path
 import torch
 
 from lyanna_train.evaluation.report import markdown_table
-from lyanna_train.runtime.cpu.small_linear import FORMS, LARGE, MAX_ROWS, packed_weight, SmallBatchLinear, \
-    use_small_batch_linears
+from lyanna_train.runtime.cpu.small_linear import FORMS, LARGE, MAX_ROWS, MKL_PACKED, packed_weight, \
+    SmallBatchLinear, use_small_batch_linears
 from lyanna_train.runtime.cpu.tuning import target_timer
 from lyanna_train.target.model import load_target_model
 
@@ -49,6 +49,8 @@ def main() -> None:
             forms[min(n, LARGE)] = (form, n if n <= MAX_ROWS else 0)
             ms[form][str(n)] = 1000 * timer(n)
         print(f"{n} tokens: " + ", ".join(f"{f} {ms[f][str(n)]:.1f} ms" for f in FORMS), flush=True)
+        for module in target.modules():  # MKL's packs are per count: a copy of the weights each
+            module.__dict__.pop(MKL_PACKED, None)
     args.out.mkdir(parents=True, exist_ok=True)
     # an instruction set capped for the run (an older CPU's, emulated) is part of the command
     capped = "".join(f"{k}={os.environ[k]} " for k in ("ONEDNN_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY") if k in os.environ)
