@@ -215,15 +215,15 @@ def settle_packing(model: torch.nn.Module) -> None:
     if forms is None:
         return
     packed = any(form == "onednn_packed" for form, _ in forms)
-    mkl_rows = {rows for form, rows in forms if form == "mkl_packed"}
+    mkl_counts = {rows for form, rows in forms if form == "mkl_packed"}
     for module in model.modules():
         if packed and type(module) is SmallBatchLinear:
             packed_weight(module)
         elif not packed:
             module.__dict__.pop(PACKED, None)
         packs = module.__dict__.get(MKL_PACKED, {})
-        for rows in set(packs) - mkl_rows:
+        for rows in set(packs) - mkl_counts:
             del packs[rows]
         if type(module) is SmallBatchLinear:
-            for rows in mkl_rows:
+            for rows in mkl_counts:
                 mkl_packed_weight(module, rows)
