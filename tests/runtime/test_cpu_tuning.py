@@ -81,6 +81,28 @@ def test_a_busy_stretch_during_the_timing_does_not_choose_a_form(monkeypatch):
     assert seconds == [3.0, 3.5, 4.0, 5.0]
 
 
+def test_a_burst_of_speed_during_the_timing_does_not_price_a_count(monkeypatch):
+    """The median of the rounds counts, not the best: a forward that ran in a fast burst once
+    (here 4 rows at half their usual time, in the first round) neither chooses its form nor
+    sets its price. With the best round, 4 rows would be priced at 2.0 and 3 rows padded
+    to them, though 4 rows usually cost 4.0."""
+    costs = {("linear", 1): 3.0, ("weight_stationary", 1): 5.0, ("linear", 2): 3.5, ("weight_stationary", 2): 6.0,
+             ("linear", 3): 3.8, ("weight_stationary", 3): 4.2, ("linear", 4): 4.5, ("weight_stationary", 4): 4.0}
+    monkeypatch.setattr(cpu_tuning, "FORMS", {"linear": F.linear, "weight_stationary": F.linear})
+    forms = [("linear", r) for r in range(MAX_ROWS + 1)] + [("linear", 0)]
+    seen = []
+
+    def time_forward(rows):
+        seen.append((forms[rows][0], rows))
+        burst = rows == 4 and len(seen) <= len(costs)  # the first round only
+        return costs[forms[rows][0], rows] * (0.5 if burst else 1.0)
+
+    seconds = choose_forms(forms, time_forward, (1, 2, 3, 4), rounds=5)
+    assert len(seen) == 5 * len(costs)
+    assert forms[3] == ("linear", 3) and forms[4] == ("weight_stationary", 4)
+    assert seconds == [3.0, 3.5, 3.8, 4.0]
+
+
 def test_counts_past_max_rows_take_the_form_fastest_over_them(monkeypatch):
     big, bigger = MAX_ROWS + 16, MAX_ROWS + 96
     costs = {("linear", 1): 1.0, ("weight_stationary", 1): 2.0, ("linear", big): 9.0,

@@ -7,7 +7,7 @@ Timing one layer alone misleads (its weight stays in cache, unlike in a forward 
 whole model), so every choice times the model's own forward: the target's over N new
 tokens after ``CONTEXT`` cached ones, the draft's step 0 over N anchors, and a whole
 drafting iteration (candidate tree plus step 0) for R rows at once in the decoding's tree
-shape. That takes ~15 s on SmolLM2 and 2 cores; the result is written to
+shape. That takes about a minute on SmolLM2 and 2 cores; the result is written to
 ``$LYANNA_CACHE/cpu_tuning/<key>.json`` and read back by the next process with the same
 key (CPU model, core and thread counts, torch version, target fingerprint and dtype), so
 CLIs start in seconds after the first run. ``retune=True`` measures again (a machine that
@@ -32,6 +32,7 @@ import hashlib
 import json
 import os
 import platform
+import statistics
 import time
 from pathlib import Path
 from typing import Callable, Sequence
@@ -55,14 +56,15 @@ DRAFT_SIZES = tuple(range(1, 17)) + (64,)  # anchors accepted at once, or tree n
 DRAFT_ROWS = (1, 2, 3, 4, 6, 8, 12, 16)  # rows drafting at once (the draft cost's sizes)
 ACCEPTED = 2  # anchors each drafting row extends by per timed iteration (a typical accepted run)
 CONTEXT = 256  # cached tokens before the timed forward
-REPEATS = 3  # best of: the run least disturbed by other work (for the forms: rounds, see choose_forms)
-FORMAT = 6  # 4: the form list's LARGE entry; 5: forms timed in interleaved rounds; 6: MKL's packed form
+REPEATS = 3  # best of: the run least disturbed by other work
+ROUNDS = 5  # the forms' interleaved rounds, whose median counts (see choose_forms)
+FORMAT = 7  # 4: the form list's LARGE entry; 5: forms timed in interleaved rounds; 6: MKL's packed form; 7: medians
 
 
 def choose_forms(forms: list[tuple[str, int]], time_forward: Callable[[int], float], sizes,
-                 rounds: int = REPEATS, mkl: Sequence[int] = ()) -> list[float]:
+                 rounds: int = ROUNDS, mkl: Sequence[int] = ()) -> list[float]:
     """Time a whole forward ``time_forward(rows)`` (seconds) in each form at each row count
-    of ``sizes`` (increasing, from 1), the best of ``rounds`` rounds; then give every count up
+    of ``sizes`` (increasing, from 1), the median of ``rounds`` rounds; then give every count up
     to MAX_ROWS the fastest (form, measured count >= it), and the counts past MAX_ROWS
     (``forms[LARGE]``) the form fastest over the measured ones there (``F.linear`` if none
     was) -> the resulting seconds at each of ``sizes``. MKL's packed form is timed only at
@@ -71,18 +73,23 @@ def choose_forms(forms: list[tuple[str, int]], time_forward: Callable[[int], flo
 
     Each round times every (form, count) once, in turn, the order reversed every other
     round: a stretch of a busy or slowing machine then falls on one round of every choice,
-    which the best of the rounds leaves out. (Timed count by count, best of 3 in a row, a
+    which the median of the rounds leaves out. (Timed count by count, best of 3 in a row, a
     2-core VM that drifted by ~25 % within minutes priced a 4-token verify at 1.39x or 1.15x
-    a 2-token one on two tunings and gave 4 tokens a form 16 % slower than F.linear there.)"""
+    a 2-token one on two tunings and gave 4 tokens a form 16 % slower than F.linear there.)
+    The median, not the best: the policy weighs these prices against each other, so they
+    must be what a forward usually takes. On a 2-core Xeon whose forwards ran in bursts
+    (one token: 38 ms at best, 47 in the median of 7 rounds), the best of 3 rounds priced
+    16 tokens at 1.05x 8 tokens; the medians of 7 were 84 and 70 ms (1.21x), as in the
+    decoder's own iterations, and the policy chose 16-token verifies that did not pay."""
     if sizes[0] != 1:
         raise ValueError("sizes must start at 1")
     cases = [(form, rows) for rows in sizes for form in FORMS if form != "mkl_packed" or rows in mkl]
-    timed = {}  # (form, rows) -> seconds, the best round
+    runs = {case: [] for case in cases}  # (form, rows) -> seconds of each round
     for turn in range(rounds):
         for form, rows in cases if turn % 2 == 0 else cases[::-1]:
             forms[min(rows, LARGE)] = (form, rows if rows <= MAX_ROWS else 0)
-            seconds = time_forward(rows)
-            timed[form, rows] = min(timed.get((form, rows), seconds), seconds)
+            runs[form, rows].append(time_forward(rows))
+    timed = {case: statistics.median(seconds) for case, seconds in runs.items()}
     large = [rows for rows in sizes if rows > MAX_ROWS]
     everywhere = [f for f in FORMS if all((f, rows) in timed for rows in large)]  # MKL's packed form: a few counts
     forms[LARGE] = (min(everywhere, key=lambda f: sum(timed[f, rows] for rows in large)) if large else "linear", 0)
@@ -245,7 +252,7 @@ def tune(target, draft: DraftHead | None = None, *, shape: TreeShape | None = No
     per row count. The target's verify cost is timed per token count; with a ``draft``
     and the decoding's tree ``shape``, a drafting iteration is timed per drafting row
     count. Each part is read from the on-disk cache when one matches (``cache``), else
-    measured (~15 s) and stored; ``retune`` measures again. ``say`` hears one line about
+    measured (about a minute) and stored; ``retune`` measures again. ``say`` hears one line about
     which of the two happened."""
     say = say or (lambda _: None)
     cpu = target.device.type == "cpu"
@@ -258,7 +265,7 @@ def tune(target, draft: DraftHead | None = None, *, shape: TreeShape | None = No
         say(f"CPU tuning read from {target_path} (pass --retune to measure again)")
         _apply(target_forms, stored["target_forms"])
     else:
-        say("timing the target's forwards per token count (~15 s, once per machine and model; "
+        say("timing the target's forwards per token count (about a minute, once per machine and model; "
             "--stock-linears skips the linear forms)")
         seconds = choose_forms(target_forms, target_timer(target, repeats=1), SIZES, mkl=mkl_rows(target)) \
             if target_forms is not None else \
