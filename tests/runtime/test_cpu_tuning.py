@@ -55,6 +55,20 @@ def test_choice_follows_the_timings_and_pads_to_cheaper_counts(monkeypatch):
         choose_forms(forms, time_forward, (2, 4))
 
 
+def _choose_while(monkeypatch, costs: dict, speed, rounds: int):
+    """choose_forms over two forms at 1-4 rows, the forward of call n (from 1) over ``rows``
+    taking costs[form, rows] x speed(n, rows) -> (forms, the (form, rows) of each call, seconds)."""
+    monkeypatch.setattr(cpu_tuning, "FORMS", {"linear": F.linear, "weight_stationary": F.linear})
+    forms = [("linear", r) for r in range(MAX_ROWS + 1)] + [("linear", 0)]
+    seen = []
+
+    def time_forward(rows):
+        seen.append((forms[rows][0], rows))
+        return costs[forms[rows][0], rows] * speed(len(seen), rows)
+
+    return forms, seen, choose_forms(forms, time_forward, (1, 2, 3, 4), rounds=rounds)
+
+
 def test_a_busy_stretch_during_the_timing_does_not_choose_a_form(monkeypatch):
     """Every (form, count) is timed once per round, the order reversed every other round, and
     the best round counts: a stretch of a slowed machine in one round (here 1.5x, over the
@@ -63,16 +77,8 @@ def test_a_busy_stretch_during_the_timing_does_not_choose_a_form(monkeypatch):
     priced at 5.0 instead of 3.5 and 4.0."""
     costs = {("linear", 1): 3.0, ("weight_stationary", 1): 5.0, ("linear", 2): 3.5, ("weight_stationary", 2): 6.0,
              ("linear", 3): 4.0, ("weight_stationary", 3): 4.2, ("linear", 4): 6.0, ("weight_stationary", 4): 5.0}
-    monkeypatch.setattr(cpu_tuning, "FORMS", {"linear": F.linear, "weight_stationary": F.linear})
-    forms = [("linear", r) for r in range(MAX_ROWS + 1)] + [("linear", 0)]
-    seen = []
-
-    def time_forward(rows):
-        seen.append((forms[rows][0], rows))
-        busy = 3 <= len(seen) <= 6  # the first round's middle
-        return costs[forms[rows][0], rows] * (1.5 if busy else 1.0)
-
-    seconds = choose_forms(forms, time_forward, (1, 2, 3, 4), rounds=3)
+    busy = lambda call, rows: 1.5 if 3 <= call <= 6 else 1.0  # noqa: E731  (the first round's middle)
+    forms, seen, seconds = _choose_while(monkeypatch, costs, busy, rounds=3)
     first = seen[:len(costs)]
     assert sorted(first) == sorted(costs) and seen[len(costs):2 * len(costs)] == first[::-1]  # rounds, reversed
     assert len(seen) == 3 * len(costs)
@@ -88,16 +94,8 @@ def test_a_burst_of_speed_during_the_timing_does_not_price_a_count(monkeypatch):
     to them, though 4 rows usually cost 4.0."""
     costs = {("linear", 1): 3.0, ("weight_stationary", 1): 5.0, ("linear", 2): 3.5, ("weight_stationary", 2): 6.0,
              ("linear", 3): 3.8, ("weight_stationary", 3): 4.2, ("linear", 4): 4.5, ("weight_stationary", 4): 4.0}
-    monkeypatch.setattr(cpu_tuning, "FORMS", {"linear": F.linear, "weight_stationary": F.linear})
-    forms = [("linear", r) for r in range(MAX_ROWS + 1)] + [("linear", 0)]
-    seen = []
-
-    def time_forward(rows):
-        seen.append((forms[rows][0], rows))
-        burst = rows == 4 and len(seen) <= len(costs)  # the first round only
-        return costs[forms[rows][0], rows] * (0.5 if burst else 1.0)
-
-    seconds = choose_forms(forms, time_forward, (1, 2, 3, 4), rounds=5)
+    burst = lambda call, rows: 0.5 if rows == 4 and call <= len(costs) else 1.0  # noqa: E731  (the first round only)
+    forms, seen, seconds = _choose_while(monkeypatch, costs, burst, rounds=5)
     assert len(seen) == 5 * len(costs)
     assert forms[3] == ("linear", 3) and forms[4] == ("weight_stationary", 4)
     assert seconds == [3.0, 3.5, 3.8, 4.0]
