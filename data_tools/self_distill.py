@@ -40,19 +40,20 @@ from lyanna_train.locks import output_lock
 @entry_point("self_distill")
 def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    wanted = GenerationSettings()  # the defaults, declared there
     ap.add_argument("--corpus", nargs="+", default=["sharegpt"])
     ap.add_argument("--target", default=None, help="target model (default: the --draft export's, else smollm2)")
     ap.add_argument("--draft", metavar="EXPORT_DIR", help="exported draft head to speculate with (default: prompt lookup)")
     ap.add_argument("--out", required=True, type=Path)
     ap.add_argument("--limit", type=int, default=None, help="conversations to regenerate (default: all)")
-    ap.add_argument("--batch-size", type=int, default=8, help="conversations decoded side by side")
-    ap.add_argument("--max-new-tokens", type=int, default=256, help="cap per assistant turn")
-    ap.add_argument("--max-prompt-tokens", type=int, default=1024)
-    ap.add_argument("--max-turns", type=int, default=1, help="assistant turns regenerated per conversation")
-    ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    ap.add_argument("--top-p", type=float, default=1.0)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--length-window", type=int, default=GenerationSettings.length_window,
+    ap.add_argument("--batch-size", type=int, default=wanted.batch_size, help="conversations decoded side by side")
+    ap.add_argument("--max-new-tokens", type=int, default=wanted.max_new_tokens, help="cap per assistant turn")
+    ap.add_argument("--max-prompt-tokens", type=int, default=wanted.max_prompt_tokens)
+    ap.add_argument("--max-turns", type=int, default=wanted.max_turns, help="assistant turns regenerated per conversation")
+    ap.add_argument("--temperature", type=float, default=wanted.temperature, help="0 = greedy")
+    ap.add_argument("--top-p", type=float, default=wanted.top_p)
+    ap.add_argument("--seed", type=int, default=wanted.seed)
+    ap.add_argument("--length-window", type=int, default=wanted.length_window,
                     help="conversations read ahead and decoded in order of length, so rows decoded together are "
                     "alike (1: the corpus order)")
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads")

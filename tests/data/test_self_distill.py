@@ -143,3 +143,23 @@ def test_every_generation_setting_is_checked_against_its_declared_range():
         for value in rule.outside:
             with pytest.raises(LyannaError, match=rf"^GenerationSettings\.{name} = .* is not allowed \(allowed: "):
                 GenerationSettings(**{name: value})
+
+
+def test_the_command_decodes_with_the_settings_defaults_unless_told_otherwise(tmp_path, monkeypatch):
+    """Each default is declared once, on GenerationSettings; the command's flags read it."""
+    import importlib.util
+    from pathlib import Path
+
+    from ..conftest import write_jsonl
+
+    script = Path(__file__).resolve().parents[2] / "data_tools" / "self_distill.py"
+    spec = importlib.util.spec_from_file_location("self_distill_command", script)
+    command = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(command)
+    seen = []
+    monkeypatch.setattr(command, "_run", lambda args, corpus, settings: seen.append(settings) or 0)
+    corpus = write_jsonl(tmp_path / "c.jsonl", [{"messages": CONVS[0][1]}])
+    assert command.main(["--corpus", str(corpus), "--out", str(tmp_path / "a.jsonl")]) == 0
+    assert command.main(["--corpus", str(corpus), "--out", str(tmp_path / "b.jsonl"), "--batch-size", "5"]) == 0
+    assert seen[0] == GenerationSettings() and seen[0].batch_size == 32
+    assert seen[1] == GenerationSettings(batch_size=5)
