@@ -385,28 +385,39 @@ def test_a_draining_batch_values_an_iteration_by_the_time_it_takes_off_the_last_
 
 
 def test_a_draining_batch_prices_by_tokens_left_and_stays_lossless(tiny_target, tiny_fitted, monkeypatch):
-    """While requests wait every row's token is worth the same; once none wait and none will
-    come (``run``), the policy is given each row's tokens left; a server's steps never drain.
-    Greedy output stays the target's own."""
+    """While more requests wait than the slots can take, every row's token is worth the same;
+    once the waiting fit (each to the slot that frees first) and none will come (``run``),
+    the policy is given what each slot still has to decode: its row's tokens left plus the
+    budget of the request it takes next. A server's steps never drain. Greedy output stays
+    the target's own."""
     seen = []
     choose = propose.choose_drafting
 
     def spy(*args, left=None, **kwargs):
-        seen.append(None if left is None else list(left))
+        own = [decoder._left(row) for row in decoder.rows]
+        queued = [request.max_new_tokens for request in decoder.waiting]
+        seen.append((None if left is None else list(left), own, queued))
         return choose(*args, left=left, **kwargs)
 
     monkeypatch.setattr(propose, "choose_drafting", spy)
     cheap = Costs(VerifyCost([1, 64], [10.0, 10.0]), DraftCost([1, 16], [0.001, 0.001]))
     settings = DecodeSettings(TreeShape(3, 2, 2, 6), LookupSettings(4, pool_tokens=4), verify="auto")
     decoder = BatchDecoder(tiny_target, tiny_fitted[True], settings, 2, cost=cheap, eos_ids=(), layer_ids=LAYER_IDS)
-    budgets = [24, 8, 16]
-    requests = [decoder.submit(p, n) for p, n in zip(PROMPTS[:3], budgets)]
+    budgets, prompts = [24, 8, 16, 6, 10], PROMPTS + PROMPTS[:1]
+    requests = [decoder.submit(p, n) for p, n in zip(prompts, budgets)]
     for _ in decoder.run():
         pass
-    for request, prompt, n in zip(requests, PROMPTS, budgets):
+    for request, prompt, n in zip(requests, prompts, budgets):
         assert request.tokens == greedy_reference(tiny_target, prompt, n)
-    assert seen[0] is None  # the third request waited
-    draining = [left for left in seen if left is not None]
+    assert seen[0][0] is None and len(seen[0][2]) == 3  # three waited for two slots
+    assert all(left is None for left, own, queued in seen if len(queued) > len(own))
+    fitting = [(left, own, queued) for left, own, queued in seen if queued and len(queued) <= len(own)]
+    assert fitting, "no iteration saw the waiting requests fit"
+    for left, own, queued in fitting:  # the waiting requests' budgets go to the slots that end first
+        assert sum(left) == sum(own) + sum(queued) and sorted(left) != sorted(own)
+        first = min(range(len(own)), key=own.__getitem__)
+        assert left[first] == own[first] + queued[0]
+    draining = [left for left, own, queued in seen if left is not None and not queued]
     assert draining and all(0 <= n <= 24 for left in draining for n in left)
     assert any(len(left) == 2 and left[0] != left[1] for left in draining)
     seen.clear()  # a server's steps: more requests may come, so a batch never drains
@@ -415,7 +426,7 @@ def test_a_draining_batch_prices_by_tokens_left_and_stays_lossless(tiny_target, 
     while not served.idle:
         served.step()
     assert requests[1].tokens == greedy_reference(tiny_target, PROMPTS[1], budgets[1])
-    assert seen and all(left is None for left in seen)
+    assert seen and all(left is None for left, _, _ in seen)
 
 
 def test_warm_up_decodes_a_full_batch_then_forgets_what_it_measured(tiny_target, tiny_fitted):

@@ -71,7 +71,7 @@ class Batch:
     width_limit: int | None = None  # most tokens per row a fused verify takes (the measured range)
     draft_seconds: float = 0.0  # the head's work in the current iteration (trees, step 0)
     catch_up_seconds: float = 0.0  # its catch-up of rows that waited (a one-off, priced apart)
-    left: list[int] | None = None  # each row's tokens left while the batch drains (nothing waits or will come); else None
+    left: list[int] | None = None  # what each slot still has to decode while the batch drains (BatchDecoder._slots_left); else None
     recorder: object = None  # a FeatureRecorder (:mod:`..verification.recording`): every accepted token's features
 
 

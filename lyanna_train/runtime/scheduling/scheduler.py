@@ -149,17 +149,18 @@ class BatchDecoder:
     def step(self, closed: bool = False) -> list[Update]:
         """Admit, then one iteration for the running rows -> each request's news this step.
 
-        ``closed``: no request will come after those queued (:meth:`run` steps so). Once none
-        waits either, the batch drains and the policy values an iteration by the time it
-        takes off the batch's remaining time (:class:`..pricing.policy.Drain`). A server's
-        steps are never closed: a freed slot is taken by the next request a client sends."""
+        ``closed``: no request will come after those queued (:meth:`run` steps so). Once the
+        waiting ones fit in the slots that free up (:meth:`_slots_left`), the batch drains
+        and the policy values an iteration by the time it takes off the batch's remaining
+        time (:class:`..pricing.policy.Drain`). A server's steps are never closed: a freed
+        slot is taken by the next request a client sends."""
         updates = [Update(r) for r in self._refused]
         self._refused = []
         with torch.inference_mode():
             self._admit(updates)
             if not self._blocks:  # mid hold-cycle, rows stay in place until it is verified
                 self._free_done()
-            self.batch.left = [self._left(row) for row in self.rows] if closed and not self.waiting else None
+            self.batch.left = self._slots_left() if closed else None
             if self.rows and self.fusion.micro_batches == 1:
                 rows = slice(0, len(self.rows))
                 self._began = time.perf_counter()
@@ -292,6 +293,27 @@ class BatchDecoder:
         if not self._blocks:
             self._verify(slice(0, len(self._held)), self._held, updates)
             self._held = []
+
+    def _slots_left(self) -> list[int] | None:
+        """Each row's tokens left, plus the budget of the waiting request its slot takes next
+        -> the tokens each slot still has to decode in a closed run; None while more requests
+        wait than the slots that free up can take (every token is then worth the same).
+
+        Free slots take the first waiting requests; the rest go to the rows in the order
+        they end (fewest tokens left first), one each. Valued from then on as a draining
+        batch (:class:`..pricing.policy.Drain`), the rows whose slot has the most to do come
+        first: the second wave of a closed run starts while the first still runs, and its
+        rows, admitted as the first wave's ended apart, set the run's end."""
+        rows = [self._left(row) for row in self.rows]
+        queued = list(self.waiting)[self.max_batch - len(self.rows):]
+        if len(queued) > len(rows):
+            return None
+        for slot, request in zip(sorted(range(len(rows)), key=rows.__getitem__), queued):
+            budget = request.max_new_tokens
+            if self.batch.max_positions is not None:
+                budget = min(budget, self.batch.max_positions - len(request.prompt))
+            rows[slot] += budget
+        return rows
 
     def _left(self, row: Row) -> int:
         """The most tokens ``row`` can still deliver (its budget, the target's context)."""
