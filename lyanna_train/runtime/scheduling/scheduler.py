@@ -209,9 +209,7 @@ class BatchDecoder:
         admitted = []
         while self.waiting and len(self.rows) + len(admitted) < self.max_batch:
             request = self.waiting.popleft()
-            room = request.max_new_tokens  # memory sized by the context, never by the request's budget
-            if self.batch.max_positions is not None:
-                room = min(room, self.batch.max_positions - len(request.prompt))
+            room = self._budget(request)  # memory sized by the context, never by the request's budget
             context = torch.zeros(len(request.prompt) + min(room, 4096) + 64, dtype=torch.long)  # Row.append grows
             context[:len(request.prompt)] = torch.tensor(request.prompt)
             # the generator lives where the logits it samples from are (the target's device)
@@ -309,11 +307,13 @@ class BatchDecoder:
         if len(queued) > len(rows):
             return None
         for slot, request in zip(sorted(range(len(rows)), key=rows.__getitem__), queued):
-            budget = request.max_new_tokens
-            if self.batch.max_positions is not None:
-                budget = min(budget, self.batch.max_positions - len(request.prompt))
-            rows[slot] += budget
+            rows[slot] += self._budget(request)
         return rows
+
+    def _budget(self, request: Request) -> int:
+        """The most tokens a waiting ``request`` can deliver (its budget, the target's context)."""
+        budget = request.max_new_tokens
+        return budget if self.batch.max_positions is None else min(budget, self.batch.max_positions - len(request.prompt))
 
     def _left(self, row: Row) -> int:
         """The most tokens ``row`` can still deliver (its budget, the target's context)."""
