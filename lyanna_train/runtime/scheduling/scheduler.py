@@ -302,10 +302,11 @@ class BatchDecoder:
         batch (:class:`..pricing.policy.Drain`), the rows whose slot has the most to do come
         first: the second wave of a closed run starts while the first still runs, and its
         rows, admitted as the first wave's ended apart, set the run's end."""
-        rows = [self._left(row) for row in self.rows]
-        queued = list(self.waiting)[self.max_batch - len(self.rows):]
-        if len(queued) > len(rows):
+        free = self.max_batch - len(self.rows)
+        if len(self.waiting) - free > len(self.rows):  # checked before copying: a closed run may queue thousands
             return None
+        rows = [self._left(row) for row in self.rows]
+        queued = list(self.waiting)[free:]
         for slot, request in zip(sorted(range(len(rows)), key=rows.__getitem__), queued):
             rows[slot] += self._budget(request)
         return rows
