@@ -7,7 +7,7 @@ decoded by ``lyanna-bench --batch-size`` side by side: the fixed choices (plain,
 head) against Lyanna choosing per row and per iteration.
 
     python bench/mixed_workload.py --draft checkpoints/smollm2_135m-export --out bench/results/mixed \\
-        [--batch-size 4,8] [--max-new-tokens 64] [--passes 3]
+        [--batch-size 4,8] [--max-new-tokens 64] [--passes 3] [--interleave steps]
 
 Writes OUT/summary.json, summary.md and batched.png (lyanna-bench's files) and OUT/prompts.jsonl.
 """
@@ -44,6 +44,8 @@ def main() -> int:
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--methods", default="plain,lookup,head,lyanna")
     p.add_argument("--passes", type=int, default=1, help="interleaved passes per method (median reported)")
+    p.add_argument("--interleave", choices=("runs", "steps"), default="runs",
+                   help="lyanna-bench's: each method's run whole, or the decoders' steps in turn")
     args = p.parse_args()
     prompts = mixed_prompts(args.per_kind)
     with tempfile.TemporaryDirectory() as tmp:
@@ -51,7 +53,8 @@ def main() -> int:
         path.write_text("".join(json.dumps(q) + "\n" for q in prompts), encoding="utf-8")
         code = bench_main(["--draft", args.draft, "--prompts", str(path), "--num-prompts", str(len(prompts)),
                            "--max-new-tokens", str(args.max_new_tokens), "--batch-size", args.batch_size,
-                           "--methods", args.methods, "--passes", str(args.passes), "--out", args.out])
+                           "--methods", args.methods, "--passes", str(args.passes), "--interleave", args.interleave,
+                           "--out", args.out])
     if code == 0:
         (Path(args.out) / "prompts.jsonl").write_text("".join(json.dumps(q) + "\n" for q in prompts), encoding="utf-8")
     return code

@@ -54,11 +54,15 @@ def _environment(data: dict) -> str:
     return ", ".join(f"{k} {env[k]}" for k in ("torch", "transformers", "threads", "dtype") if k in env)
 
 
+STEPS = ", the decoders' steps interleaved"  # lyanna-bench --interleave steps
+
+
 def _batched(data: dict) -> list[str]:
     passes = data.get("passes", 1)
     lines = [f"`lyanna-bench --batch-size {','.join(map(str, data['batch_sizes']))}`: {data['prompts']}, "
              f"{data['num_prompts']} prompts x {data['max_new_tokens']} new tokens"
-             f"{f', median of {passes} interleaved passes' if passes > 1 else ''}; {_environment(data)}; "
+             f"{f', median of {passes} interleaved passes' if passes > 1 else ''}"
+             f"{STEPS if data.get('interleave') == 'steps' else ''}; {_environment(data)}; "
              f"{_lossless(data)}", ""]
     rows = []
     for batch, methods in data["results"].items():

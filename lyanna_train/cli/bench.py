@@ -47,6 +47,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--passes", type=int, default=1, metavar="N",
                    help="with --batch-size: run every method N times, interleaved, and report each one's median pass "
                    "(a shared or throttled machine drifts by more than the ratios tell apart; default 1)")
+    p.add_argument("--interleave", choices=("runs", "steps"), default="runs",
+                   help="with --batch-size: how methods take turns within a pass: runs (each method's run whole, the "
+                   "default) or steps (our decoders' steps in turn, each timed by its own steps; target runs whole "
+                   "first): drift of the machine then hits every method alike")
     p.add_argument("--hold", default="", metavar="K,K,...",
                    help="with --batch-size: also lyanna with verification held for K micro-batches (e.g. 2,3)")
     p.add_argument("--out", help="output directory (default checkpoints/bench-<draft>-<prompts>); replaced at the end")
@@ -207,14 +211,16 @@ def _run_batched(args, names, holds, sizes, settings, questions, out: Path) -> i
         alone = hf_method(target, settings)
         reference = lambda p: alone(p, args.max_new_tokens).tokens  # noqa: E731
     results = BB.measure(methods, prompts, sizes, args.max_new_tokens, args.num_prompts, reference,
-                         progress=lambda line: print(line, file=sys.stderr, flush=True), passes=args.passes)
+                         progress=lambda line: print(line, file=sys.stderr, flush=True), passes=args.passes,
+                         interleave=args.interleave)
     table = R.batch_table(results)
     ratios = BB.ratio_lines(results)
     verdict, ok = BB.lossless_lines(results)
     print(table)
     print("\n".join(ratios + verdict))
     meta = {"draft": args.draft, "target": args.target, "prompts": args.prompts, "max_new_tokens": args.max_new_tokens,
-            "num_prompts": args.num_prompts, "batch_sizes": sizes, "passes": args.passes, "methods": list(methods),
+            "num_prompts": args.num_prompts, "batch_sizes": sizes, "passes": args.passes, "interleave": args.interleave,
+            "methods": list(methods),
             "holds": holds,
             "decode": {"preset": args.decode, "overrides": args.overrides, **dataclasses.asdict(settings)},
             "chat": args.chat, "environment": _environment(target)}

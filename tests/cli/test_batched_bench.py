@@ -4,6 +4,7 @@ table, ratios, lossless check and plot; bad flags are one line; the pool-off hea
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 
@@ -138,3 +139,69 @@ def test_each_timed_run_starts_after_the_previous_runs_cyclic_garbage_is_freed()
 
     BB.measure({"a": run, "b": run}, [[1], [2]], [1], 4, 2, passes=2)
     assert len(seen) == 4 and all(all(freed) for freed in seen)
+
+
+class _StepCounter:
+    """A stand-in decoder: each request takes ``steps`` steps of ``seconds`` each."""
+
+    def __init__(self, name, steps, seconds, log):
+        from lyanna_train.runtime.scheduling.requests import Status
+
+        self.name, self.steps, self.seconds, self.log, self.requests, self.status = name, steps, seconds, log, [], Status
+
+    def submit(self, prompt, max_new_tokens):
+        from types import SimpleNamespace
+
+        request = SimpleNamespace(id=len(self.requests) + 1, tokens=[], status=self.status.WAITING, left=self.steps,
+                                  target_forwards=0, accept_lengths=[], tree_sizes=[], error=None, done=False)
+        self.requests.append(request)
+        return request
+
+    @property
+    def idle(self):
+        return all(r.done for r in self.requests)
+
+    def step(self, closed=False):
+        from types import SimpleNamespace
+
+        self.log.append(self.name)
+        time.sleep(self.seconds)
+        request = next(r for r in self.requests if not r.done)  # one request at a time
+        request.left -= 1
+        request.tokens.append(7)
+        request.done = request.left == 0
+        if request.done:
+            request.status = self.status.FINISHED
+        return [SimpleNamespace(request=request, finished=request.done)]
+
+
+def test_interleaved_steps_time_each_decoder_by_its_own_steps():
+    """Decoders take their steps in turn until each is done; a method's wall time is the sum
+    of its own steps (not the other's), a request's latency its decoder's own time when it
+    finished."""
+    log = []
+    fast, slow = _StepCounter("fast", 2, 0.01, log), _StepCounter("slow", 3, 0.03, log)
+    runs = BB.run_interleaved({"fast": fast, "slow": slow}, [[1], [2]], 4)
+    assert log == ["fast", "slow"] * 4 + ["slow"] * 2  # in turn; the slow one goes on alone
+    assert runs["fast"].tokens == [[7, 7], [7, 7]] and runs["slow"].tokens == [[7] * 3] * 2
+    assert 0.04 <= runs["fast"].wall_time < 0.08 and 0.18 <= runs["slow"].wall_time < 0.3
+    assert runs["fast"].latencies[0] == pytest.approx(runs["fast"].wall_time / 2, rel=0.3)
+    assert runs["slow"].latencies[1] == runs["slow"].wall_time
+
+
+@pytest.mark.slow
+def test_batched_bench_can_interleave_the_decoders_steps(tmp_path, export_dir, three_prompts, capsys):  # noqa: F811
+    """--interleave steps: target runs whole, our decoders step in turn; each of ours still
+    equals the target alone, and the choice is written down."""
+    out = tmp_path / "out"
+    argv = ["--draft", str(export_dir), "--prompts", str(three_prompts), "--max-new-tokens", "8", "--threads", "1",
+            "--batch-size", "2", "--num-prompts", "3", "--methods", "target,plain,lookup,lyanna", "--interleave", "steps", "--passes", "2",
+            "--out", str(out)]
+    assert bench_main(argv) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["interleave"] == "steps"
+    for name, s in summary["results"]["2"].items():
+        assert s["requests"] == 3 and 0 < s["latency_p50"] <= s["wall_time"] + 1e-6, name
+        assert s["identical"] == 3 or name in BB.NUMERICS_ONLY, name  # target: left padding, reported not judged
+    with pytest.raises(LyannaError, match="interleave is runs or steps"):
+        BB.measure({}, [[1]], [1], 4, 1, interleave="turns")
