@@ -384,20 +384,27 @@ def test_a_draining_batch_values_an_iteration_by_the_time_it_takes_off_the_last_
     assert [len(t) for t in fit_trees(trees, [None] * 4, cheap_second, drafted=True, left=[16, 1, 1, 1])] == [1] * 4
 
 
-def test_a_draining_batch_prices_by_tokens_left_and_stays_lossless(tiny_target, tiny_fitted, monkeypatch):
-    """While more requests wait than the slots can take, every row's token is worth the same;
-    once the waiting fit (each to the slot that frees first) and none will come (``run``),
-    the policy is given what each slot still has to decode: its row's tokens left plus the
-    budget of the request it takes next. A server's steps never drain. Greedy output stays
-    the target's own."""
+def test_a_closed_batch_prices_by_what_each_slot_has_left_and_stays_lossless(tiny_target, tiny_fitted, monkeypatch):
+    """When none will come (``run``), the policy is given what each slot still has to
+    decode: its row's tokens left plus the budgets of the waiting requests it will take,
+    each placed in the slot that frees first (the first two per slot; the rest add about
+    the same to every slot). A server's steps never drain. Greedy output stays the
+    target's own."""
     seen = []
     choose = propose.choose_drafting
 
     def spy(*args, left=None, **kwargs):
         own = [decoder._left(row) for row in decoder.rows]
-        queued = [request.max_new_tokens for request in decoder.waiting]
+        queued = [request.max_new_tokens for request in decoder.waiting][decoder.max_batch - len(decoder.rows):]
         seen.append((None if left is None else list(left), own, queued))
         return choose(*args, left=left, **kwargs)
+
+    def placed(own, queued):  # each waiting budget to the slot with the least so far (the first of equals)
+        slots = list(own)
+        for budget in queued[:2 * len(own)]:
+            first = min(range(len(slots)), key=lambda i: (slots[i], i))
+            slots[first] += budget
+        return slots
 
     monkeypatch.setattr(propose, "choose_drafting", spy)
     cheap = Costs(VerifyCost([1, 64], [10.0, 10.0]), DraftCost([1, 16], [0.001, 0.001]))
@@ -409,17 +416,11 @@ def test_a_draining_batch_prices_by_tokens_left_and_stays_lossless(tiny_target, 
         pass
     for request, prompt, n in zip(requests, prompts, budgets):
         assert request.tokens == greedy_reference(tiny_target, prompt, n)
-    assert seen[0][0] is None and len(seen[0][2]) == 3  # three waited for two slots
-    assert all(left is None for left, own, queued in seen if len(queued) > len(own))
-    fitting = [(left, own, queued) for left, own, queued in seen if queued and len(queued) <= len(own)]
-    assert fitting, "no iteration saw the waiting requests fit"
-    for left, own, queued in fitting:  # the waiting requests' budgets go to the slots that end first
-        assert sum(left) == sum(own) + sum(queued) and sorted(left) != sorted(own)
-        first = min(range(len(own)), key=own.__getitem__)
-        assert left[first] == own[first] + queued[0]
-    draining = [left for left, own, queued in seen if left is not None and not queued]
-    assert draining and all(0 <= n <= 24 for left in draining for n in left)
-    assert any(len(left) == 2 and left[0] != left[1] for left in draining)
+    assert len(seen[0][2]) == 3 and seen[0][0] == placed(seen[0][1], seen[0][2])  # three waited for two slots
+    first = min(range(2), key=seen[0][1].__getitem__)
+    assert seen[0][0][first] - seen[0][1][first] in (16 + 6, 16 + 10)  # the slot ending first takes two of them
+    assert all(left == placed(own, queued) for left, own, queued in seen)
+    assert any(len(left) == 2 and left[0] != left[1] for left, own, queued in seen if not queued)
     seen.clear()  # a server's steps: more requests may come, so a batch never drains
     served = BatchDecoder(tiny_target, tiny_fitted[True], settings, 2, cost=cheap, eos_ids=(), layer_ids=LAYER_IDS)
     requests = [served.submit(p, n) for p, n in zip(PROMPTS[:2], budgets[:2])]

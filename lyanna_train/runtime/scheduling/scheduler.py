@@ -27,8 +27,10 @@ successive steps, their trees held until every block is ready (a bounded delay o
 
 from __future__ import annotations
 
+import heapq
 import time
 from collections import deque
+from itertools import islice
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, Sequence
 
@@ -149,11 +151,10 @@ class BatchDecoder:
     def step(self, closed: bool = False) -> list[Update]:
         """Admit, then one iteration for the running rows -> each request's news this step.
 
-        ``closed``: no request will come after those queued (:meth:`run` steps so). Once the
-        waiting ones fit in the slots that free up (:meth:`_slots_left`), the batch drains
-        and the policy values an iteration by the time it takes off the batch's remaining
-        time (:class:`..pricing.policy.Drain`). A server's steps are never closed: a freed
-        slot is taken by the next request a client sends."""
+        ``closed``: no request will come after those queued (:meth:`run` steps so): the
+        batch drains, and the policy values an iteration by the time it takes off the run's
+        remaining time (:meth:`_slots_left`, :class:`..pricing.policy.Drain`). A server's
+        steps are never closed: a freed slot is taken by the next request a client sends."""
         updates = [Update(r) for r in self._refused]
         self._refused = []
         with torch.inference_mode():
@@ -292,23 +293,25 @@ class BatchDecoder:
             self._verify(slice(0, len(self._held)), self._held, updates)
             self._held = []
 
-    def _slots_left(self) -> list[int] | None:
-        """Each row's tokens left, plus the budget of the waiting request its slot takes next
-        -> the tokens each slot still has to decode in a closed run; None while more requests
-        wait than the slots that free up can take (every token is then worth the same).
+    def _slots_left(self) -> list[int]:
+        """Each slot's tokens still to decode in a closed run -> its row's tokens left plus the
+        budgets of the waiting requests it will take, each placed in the slot that frees
+        first.
 
-        Free slots take the first waiting requests; the rest go to the rows in the order
-        they end (fewest tokens left first), one each. Valued from then on as a draining
-        batch (:class:`..pricing.policy.Drain`), the rows whose slot has the most to do come
-        first: the second wave of a closed run starts while the first still runs, and its
-        rows, admitted as the first wave's ended apart, set the run's end."""
+        Valued so (:class:`..pricing.policy.Drain`), an iteration is worth the time it takes
+        off the run's end, and tokens that put one row ahead of the others are worth little:
+        its slot's next request only starts earlier, and the run ends a tail of rows later.
+        Requests past the first two per slot are left out: they add about the same to every
+        slot, which changes no slot's standing (``Drain`` compares the slots' differences),
+        and a closed run may queue thousands."""
         free = self.max_batch - len(self.rows)
-        if len(self.waiting) - free > len(self.rows):  # checked before copying: a closed run may queue thousands
-            return None
         rows = [self._left(row) for row in self.rows]
-        queued = list(self.waiting)[free:]
-        for slot, request in zip(sorted(range(len(rows)), key=rows.__getitem__), queued):
-            rows[slot] += self._budget(request)
+        heap = [(left, slot) for slot, left in enumerate(rows)]
+        heapq.heapify(heap)
+        for request in islice(self.waiting, free, free + 2 * len(rows)) if rows else ():
+            left, slot = heapq.heappop(heap)
+            rows[slot] = left + self._budget(request)
+            heapq.heappush(heap, (rows[slot], slot))
         return rows
 
     def _budget(self, request: Request) -> int:
