@@ -121,10 +121,6 @@ class DecoderMethod:
         return run_interleaved({"run": self.decoder(batch)}, prompts, max_new_tokens)["run"]
 
 
-def decoder_method(target, draft, settings: DecodeSettings, cost: Costs | None) -> DecoderMethod:
-    return DecoderMethod(target, draft, settings, cost)
-
-
 def run_interleaved(decoders: dict[str, BatchDecoder], prompts: list[list[int]],
                     max_new_tokens: int) -> dict[str, BatchRun]:
     """Every decoder decodes all ``prompts``, their steps taken in turn (in ``decoders``'
@@ -177,15 +173,15 @@ def make_batch_methods(names, target, draft, settings: DecodeSettings, cost: Cos
     """The named methods, plus ``lyanna-hold<K>`` for every K in ``holds`` (K ≥ 2)."""
     make = {
         "target": lambda: hf_batched(target, settings),
-        "lyanna": lambda: decoder_method(target, draft, settings, cost),
-        "plain": lambda: decoder_method(target, None, fixed_settings(settings, "plain"), cost),
-        "lookup": lambda: decoder_method(target, None, fixed_settings(settings, "lookup", pld_tokens), cost),
-        "head": lambda: decoder_method(target, draft, fixed_settings(settings, "head"), cost),
-        "pool-off": lambda: decoder_method(target, without_pool(draft), fixed_settings(settings, "pool-off"), cost),
+        "lyanna": lambda: DecoderMethod(target, draft, settings, cost),
+        "plain": lambda: DecoderMethod(target, None, fixed_settings(settings, "plain"), cost),
+        "lookup": lambda: DecoderMethod(target, None, fixed_settings(settings, "lookup", pld_tokens), cost),
+        "head": lambda: DecoderMethod(target, draft, fixed_settings(settings, "head"), cost),
+        "pool-off": lambda: DecoderMethod(target, without_pool(draft), fixed_settings(settings, "pool-off"), cost),
     }
     methods = {name: make[name]() for name in names}
     for k in holds:
-        methods[f"lyanna-hold{k}"] = decoder_method(target, draft, replace(settings, fusion=FusionSettings(k, True)), cost)
+        methods[f"lyanna-hold{k}"] = DecoderMethod(target, draft, replace(settings, fusion=FusionSettings(k, True)), cost)
     return methods
 
 
