@@ -308,7 +308,7 @@ class BatchDecoder:
         rows = [self._left(row) for row in self.rows]
         heap = [(left, slot) for slot, left in enumerate(rows)]
         heapq.heapify(heap)
-        for request in islice(self.waiting, free, free + 2 * len(rows)) if rows else ():
+        for request in islice(self.waiting, free, free + 2 * len(rows)):  # no rows: none
             left, slot = heapq.heappop(heap)
             rows[slot] = left + self._budget(request)
             heapq.heappush(heap, (rows[slot], slot))
